@@ -1,1 +1,62 @@
-//! x
+//! # holdfast-hal: one device abstraction for CPU, CUDA and ROCm
+//!
+//! Everything above this crate is written once against [`Device`], [`Stream`], [`Event`],
+//! [`Buffer`], [`Module`]/[`Kernel`] and [`Graph`], and runs on whichever backend a device name
+//! picks at run time: `cpu` (always compiled), `cuda:N` (feature `cuda`), `rocm:N` (feature
+//! `rocm`). GPU backends load their driver libraries at run time, so every feature builds on a
+//! machine with no GPU toolkit; a missing library is [`HalError::BackendUnavailable`], never a
+//! panic.
+//!
+//! ## Who validates what
+//! The front end (this crate's top-level types) validates; backends only execute. Before any
+//! backend call the front end checks kernel arguments against the declared signature, views
+//! against their buffers, device ownership, and the capture rules: while any stream of a device
+//! is capturing, allocation, free, synchronisation, device→host reads, pageable copies, module
+//! compilation and event operations are [`HalError::IllegalDuringCapture`], and a captured
+//! operation may only touch persistent buffers ([`Device::alloc_persistent`]). A rejected
+//! operation records nothing, so the capture stays usable: the caller may go on and end it, or
+//! abort it.
+//!
+//! ## Why graphs are safe to replay
+//! A [`Graph`] holds every allocation and pinned buffer it touched, so no address it baked in can
+//! be freed or reused while it lives. What remains is *content*: a graph replays whatever the
+//! buffers hold. The sanitizer checks what can be checked: host-refreshed inputs must have been
+//! rewritten since the last replay, and views bound by name at capture must be handed back
+//! identical at replay. On the CPU backend every element access is also bounds-checked against the
+//! view the kernel was given, and every address is resolved through the allocation table at
+//! execution time.
+//!
+//! ## Kernels
+//! A [`KernelSource`] is CUDA C that is also valid HIP (see [`PORTABILITY_HEADER`]), with, per
+//! entry point, its [`Param`] list and a CPU reference function. The reference is the definition
+//! of what the kernel computes; GPU backends are tested against it.
+
+pub(crate) mod backend;
+mod capture;
+pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod demo_kernels;
+mod device;
+mod dtype;
+mod error;
+mod graph;
+mod kernel;
+mod memory;
+#[cfg(feature = "rocm")]
+pub mod rocm;
+mod stream;
+
+pub use capture::CaptureStatus;
+pub use cpu::{CpuLaunch, CpuPtr};
+pub use device::{BackendKind, Device, DeviceInfo, DeviceName};
+pub use dtype::{DType, Element};
+pub use error::{CaptureOp, HalError, Result};
+pub use graph::Graph;
+pub use half::{bf16, f16};
+pub use kernel::{
+    Access, Arg, CpuKernelFn, Kernel, KernelEntry, KernelSource, LaunchConfig, Module, Param, ParamKind, ScalarKind,
+    PORTABILITY_HEADER,
+};
+pub use memory::{Buffer, MemStats, PinnedBuffer, RawView, View};
+pub use stream::{Event, Stream};

@@ -1,0 +1,158 @@
+//! The backend interface: one trait per concept, one enum per concept over the compiled-in
+//! backends, dispatched statically with `enum_dispatch`.
+//!
+//! Backends speak in device addresses and bytes, like a driver. Everything typed, every check of
+//! the capture rules and every bookkeeping (retention, stats, sanitizer generations) lives in the
+//! backend-neutral front end, so it is written once and behaves the same on every backend.
+
+use enum_dispatch::enum_dispatch;
+
+use crate::cpu::{CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuPinned, CpuStream};
+#[cfg(feature = "cuda")]
+use crate::cuda::{CudaDevice, CudaEvent, CudaGraph, CudaKernel, CudaMem, CudaPinned, CudaStream};
+#[cfg(feature = "rocm")]
+use crate::rocm::{RocmDevice, RocmEvent, RocmGraph, RocmKernel, RocmMem, RocmPinned, RocmStream};
+use crate::error::Result;
+use crate::kernel::{KernelEntry, KernelSource, LaunchConfig};
+
+/// A resolved launch argument: what a backend needs to pass it to a kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum LaunchArg {
+    /// Device address and the length of the view in elements (CPU bounds checks use it).
+    Ptr { addr: u64, len: usize },
+    I32(i32),
+    U32(u32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+}
+
+#[enum_dispatch]
+pub(crate) trait DeviceOps {
+    /// Allocates `bytes` (a zero-byte request still yields a unique address).
+    fn alloc(&self, bytes: usize, label: &str) -> Result<MemImpl>;
+    /// Synchronous host→device write (used by uploads at setup).
+    fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()>;
+    fn alloc_pinned(&self, bytes: usize) -> Result<PinnedImpl>;
+    fn create_stream(&self) -> Result<StreamImpl>;
+    fn create_event(&self) -> Result<EventImpl>;
+    /// Compiles every entry of `src`, in order.
+    fn compile(&self, src: &KernelSource) -> Result<Vec<KernelImpl>>;
+    fn synchronize(&self) -> Result<()>;
+}
+
+#[enum_dispatch(DeviceOps)]
+pub(crate) enum DeviceImpl {
+    Cpu(CpuDevice),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaDevice),
+    #[cfg(feature = "rocm")]
+    Rocm(RocmDevice),
+}
+
+#[enum_dispatch]
+pub(crate) trait MemOps {
+    fn addr(&self) -> u64;
+}
+
+#[enum_dispatch(MemOps)]
+pub(crate) enum MemImpl {
+    Cpu(CpuMem),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaMem),
+    #[cfg(feature = "rocm")]
+    Rocm(RocmMem),
+}
+
+#[enum_dispatch]
+pub(crate) trait PinnedOps {
+    /// Host-side write of `data` at byte `offset`.
+    fn write(&self, offset: usize, data: &[u8]);
+    /// Host-side read into `out` from byte `offset`.
+    fn read(&self, offset: usize, out: &mut [u8]);
+}
+
+#[enum_dispatch(PinnedOps)]
+pub(crate) enum PinnedImpl {
+    Cpu(CpuPinned),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaPinned),
+    #[cfg(feature = "rocm")]
+    Rocm(RocmPinned),
+}
+
+#[enum_dispatch]
+pub(crate) trait StreamOps {
+    fn launch(&self, kernel: &KernelImpl, entry: &KernelEntry, cfg: &LaunchConfig, args: &[LaunchArg]) -> Result<()>;
+    fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()>;
+    fn copy_d2d(&self, src: u64, dst: u64, bytes: usize) -> Result<()>;
+    /// Copy from pageable host memory (never called during capture).
+    fn copy_h2d(&self, src: &[u8], dst: u64) -> Result<()>;
+    /// Copy `bytes` from pinned memory at byte `offset` to `dst`.
+    fn copy_pinned_h2d(&self, src: &PinnedImpl, offset: usize, dst: u64, bytes: usize) -> Result<()>;
+    /// Enqueues a copy into `dst` and waits for it (never called during capture).
+    fn copy_d2h_sync(&self, src: u64, dst: &mut [u8]) -> Result<()>;
+    fn synchronize(&self) -> Result<()>;
+    fn wait_event(&self, event: &EventImpl) -> Result<()>;
+    fn begin_capture(&self) -> Result<()>;
+    fn end_capture(&self) -> Result<GraphImpl>;
+    fn abort_capture(&self) -> Result<()>;
+}
+
+#[enum_dispatch(StreamOps)]
+pub(crate) enum StreamImpl {
+    Cpu(CpuStream),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaStream),
+    #[cfg(feature = "rocm")]
+    Rocm(RocmStream),
+}
+
+#[enum_dispatch]
+pub(crate) trait EventOps {
+    fn record(&self, stream: &StreamImpl) -> Result<()>;
+    fn synchronize(&self) -> Result<()>;
+    /// Milliseconds from `self` to `end`, both recorded and complete.
+    fn elapsed_ms(&self, end: &EventImpl) -> Result<f32>;
+}
+
+#[enum_dispatch(EventOps)]
+pub(crate) enum EventImpl {
+    Cpu(CpuEvent),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaEvent),
+    #[cfg(feature = "rocm")]
+    Rocm(RocmEvent),
+}
+
+#[enum_dispatch]
+pub(crate) trait GraphOps {
+    fn replay(&self, stream: &StreamImpl) -> Result<()>;
+    fn node_count(&self) -> usize;
+}
+
+#[enum_dispatch(GraphOps)]
+pub(crate) enum GraphImpl {
+    Cpu(CpuGraph),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaGraph),
+    #[cfg(feature = "rocm")]
+    Rocm(RocmGraph),
+}
+
+/// Compiled kernel handle (no trait: the owning backend's stream matches on it).
+#[derive(Clone, Debug)]
+pub(crate) enum KernelImpl {
+    Cpu(CpuKernel),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaKernel),
+    #[cfg(feature = "rocm")]
+    Rocm(RocmKernel),
+}
+
+/// Error for a handle of one backend handed to another (the front end checks device ids first,
+/// so this is a defensive check).
+#[allow(dead_code)]
+pub(crate) fn wrong_backend(what: &str) -> crate::HalError {
+    crate::HalError::DeviceMismatch(format!("{what} belongs to another backend"))
+}

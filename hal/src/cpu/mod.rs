@@ -1,0 +1,370 @@
+//! The CPU backend: a faithful emulator of a GPU, and the sanitizer.
+//!
+//! Strategy per concept:
+//! - **Memory**: device memory is host memory behind an allocation table keyed by synthetic device
+//!   addresses. Addresses are never reused and every allocation is followed by an unmapped guard
+//!   gap, so a stale or overrunning address resolves to nothing instead of to a neighbour. New
+//!   allocations are filled with `0xFF` bytes (NaN for every float type, -1 for signed integers),
+//!   so unwritten outputs show.
+//! - **Kernels**: a module maps entry points to Rust reference functions ([`CpuKernelFn`]) that
+//!   take the same arguments. Every pointer argument is resolved through the table at execution
+//!   time, and every element access is bounds-checked against the view it was handed.
+//! - **Streams**: execute each operation synchronously when it is enqueued, so in-order semantics
+//!   hold trivially; events record host timestamps.
+//! - **Capture**: while capturing, a stream records operations with their raw addresses instead of
+//!   running them; replay re-executes the list, re-resolving every address. Exactly what a GPU
+//!   graph does, which is why address-stability bugs show up here.
+//!
+//! [`CpuKernelFn`]: crate::CpuKernelFn
+
+mod launch;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
+
+pub use launch::{CpuLaunch, CpuPtr};
+
+use crate::backend::{
+    wrong_backend, DeviceImpl, DeviceOps, EventImpl, EventOps, GraphImpl, GraphOps, KernelImpl, LaunchArg, MemImpl,
+    MemOps, PinnedImpl, PinnedOps, StreamImpl, StreamOps,
+};
+use crate::device::{lock, BackendKind, DeviceInfo};
+use crate::error::{HalError, Result};
+use crate::kernel::{CpuKernelFn, KernelEntry, KernelSource, LaunchConfig};
+
+const ADDRESS_BASE: u64 = 0x7000_0000_0000;
+const ALIGN: u64 = 256;
+/// Unmapped bytes after each allocation.
+const GUARD: u64 = 4096;
+/// Fill byte of fresh allocations.
+pub(crate) const POISON: u8 = 0xFF;
+
+pub(crate) struct CpuAllocation {
+    base: u64,
+    bytes: usize,
+    label: String,
+    data: Mutex<Box<[u64]>>,
+}
+
+#[derive(Default)]
+pub(crate) struct CpuCore {
+    table: RwLock<BTreeMap<u64, Arc<CpuAllocation>>>,
+    next_addr: AtomicU64,
+}
+
+impl CpuCore {
+    fn reserve(&self, bytes: usize) -> u64 {
+        let span = (bytes as u64).max(1).div_ceil(ALIGN) * ALIGN + GUARD;
+        ADDRESS_BASE + self.next_addr.fetch_add(span, Ordering::Relaxed)
+    }
+
+    /// Resolves `[addr, addr + bytes)` to one live allocation and a byte offset into it.
+    fn resolve(&self, addr: u64, bytes: usize) -> std::result::Result<(Arc<CpuAllocation>, usize), String> {
+        let table = self.table.read().unwrap_or_else(|p| p.into_inner());
+        let Some((_, a)) = table.range(..=addr).next_back() else {
+            return Err("not inside any live allocation".into());
+        };
+        let end = a.base + a.bytes as u64;
+        if addr > end {
+            return Err(format!(
+                "not inside any live allocation ({} bytes past the end of `{}`)",
+                addr - end,
+                a.label
+            ));
+        }
+        if addr + bytes as u64 > end {
+            return Err(format!(
+                "past the end of allocation `{}` ({} bytes at {:#x}) by {} bytes",
+                a.label,
+                a.bytes,
+                a.base,
+                addr + bytes as u64 - end
+            ));
+        }
+        Ok((a.clone(), (addr - a.base) as usize))
+    }
+}
+
+/// The CPU device.
+pub(crate) struct CpuDevice {
+    core: Arc<CpuCore>,
+}
+
+impl CpuDevice {
+    pub(crate) fn open() -> Result<(DeviceImpl, DeviceInfo)> {
+        let info = DeviceInfo {
+            name: "holdfast CPU emulator".into(),
+            backend: BackendKind::Cpu,
+            ordinal: 0,
+            total_memory: host_memory_bytes(),
+            arch: "cpu".into(),
+            compute_units: rayon::current_num_threads() as u32,
+            warp_size: 1,
+        };
+        Ok((DeviceImpl::Cpu(CpuDevice { core: Arc::new(CpuCore::default()) }), info))
+    }
+}
+
+fn host_memory_bytes() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+impl DeviceOps for CpuDevice {
+    fn alloc(&self, bytes: usize, label: &str) -> Result<MemImpl> {
+        let words = bytes.div_ceil(8);
+        let mut data = Vec::new();
+        data.try_reserve_exact(words).map_err(|_| HalError::OutOfMemory { bytes, label: label.to_string() })?;
+        data.resize(words, u64::from_ne_bytes([POISON; 8]));
+        let base = self.core.reserve(bytes);
+        let a = Arc::new(CpuAllocation { base, bytes, label: label.to_string(), data: Mutex::new(data.into_boxed_slice()) });
+        self.core.table.write().unwrap_or_else(|p| p.into_inner()).insert(base, a);
+        Ok(MemImpl::Cpu(CpuMem { core: self.core.clone(), base }))
+    }
+
+    fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()> {
+        let (a, off) = self.core.resolve(addr, data.len()).map_err(|why| bad_addr("upload", "dst", addr, data.len(), why))?;
+        let mut d = lock(&a.data);
+        bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<PinnedImpl> {
+        Ok(PinnedImpl::Cpu(CpuPinned(Arc::new(Mutex::new(vec![0u64; bytes.div_ceil(8)].into_boxed_slice())))))
+    }
+
+    fn create_stream(&self) -> Result<StreamImpl> {
+        Ok(StreamImpl::Cpu(CpuStream { core: self.core.clone(), recording: Mutex::new(None) }))
+    }
+
+    fn create_event(&self) -> Result<EventImpl> {
+        Ok(EventImpl::Cpu(CpuEvent { at: Mutex::new(None) }))
+    }
+
+    fn compile(&self, src: &KernelSource) -> Result<Vec<KernelImpl>> {
+        Ok(src.entries.iter().map(|e| KernelImpl::Cpu(CpuKernel { f: e.cpu })).collect())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn bad_addr(kernel: &str, arg: &str, addr: u64, bytes: usize, why: String) -> HalError {
+    HalError::BadAddress { kernel: kernel.to_string(), arg: arg.to_string(), addr, bytes, why }
+}
+
+/// A CPU allocation handle; dropping it unmaps the address range.
+pub(crate) struct CpuMem {
+    core: Arc<CpuCore>,
+    base: u64,
+}
+
+impl MemOps for CpuMem {
+    fn addr(&self) -> u64 {
+        self.base
+    }
+}
+
+impl Drop for CpuMem {
+    fn drop(&mut self) {
+        self.core.table.write().unwrap_or_else(|p| p.into_inner()).remove(&self.base);
+    }
+}
+
+/// Pinned host memory on the CPU backend: plain host memory.
+#[derive(Clone)]
+pub(crate) struct CpuPinned(Arc<Mutex<Box<[u64]>>>);
+
+impl PinnedOps for CpuPinned {
+    fn write(&self, offset: usize, data: &[u8]) {
+        let mut d = lock(&self.0);
+        bytemuck::cast_slice_mut::<u64, u8>(&mut d)[offset..offset + data.len()].copy_from_slice(data);
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) {
+        let d = lock(&self.0);
+        out.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&d)[offset..offset + out.len()]);
+    }
+}
+
+/// A compiled CPU kernel: its reference function.
+#[derive(Clone, Debug)]
+pub(crate) struct CpuKernel {
+    f: CpuKernelFn,
+}
+
+#[derive(Clone)]
+enum CpuOp {
+    Launch { f: CpuKernelFn, entry: Arc<KernelEntry>, cfg: LaunchConfig, args: Vec<LaunchArg> },
+    Memset { addr: u64, bytes: usize, value: u8 },
+    Copy { src: u64, dst: u64, bytes: usize },
+    CopyPinned { src: CpuPinned, offset: usize, dst: u64, bytes: usize },
+}
+
+impl CpuOp {
+    fn execute(&self, core: &CpuCore) -> Result<()> {
+        match self {
+            CpuOp::Launch { f, entry, cfg, args } => launch::execute(core, *f, entry, cfg, args),
+            CpuOp::Memset { addr, bytes, value } => {
+                let (a, off) = core.resolve(*addr, *bytes).map_err(|why| bad_addr("memset", "dst", *addr, *bytes, why))?;
+                let mut d = lock(&a.data);
+                bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + bytes].fill(*value);
+                Ok(())
+            }
+            CpuOp::Copy { src, dst, bytes } => {
+                let (sa, so) = core.resolve(*src, *bytes).map_err(|why| bad_addr("copy", "src", *src, *bytes, why))?;
+                let (da, doff) = core.resolve(*dst, *bytes).map_err(|why| bad_addr("copy", "dst", *dst, *bytes, why))?;
+                if Arc::ptr_eq(&sa, &da) {
+                    let mut d = lock(&da.data);
+                    bytemuck::cast_slice_mut::<u64, u8>(&mut d).copy_within(so..so + bytes, doff);
+                } else {
+                    let s = lock(&sa.data);
+                    let mut d = lock(&da.data);
+                    bytemuck::cast_slice_mut::<u64, u8>(&mut d)[doff..doff + bytes]
+                        .copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&s)[so..so + bytes]);
+                }
+                Ok(())
+            }
+            CpuOp::CopyPinned { src, offset, dst, bytes } => {
+                let (da, doff) = core.resolve(*dst, *bytes).map_err(|why| bad_addr("copy_from_pinned", "dst", *dst, *bytes, why))?;
+                let mut d = lock(&da.data);
+                src.read(*offset, &mut bytemuck::cast_slice_mut::<u64, u8>(&mut d)[doff..doff + bytes]);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A CPU stream: runs each operation when enqueued, or records it while capturing.
+pub(crate) struct CpuStream {
+    core: Arc<CpuCore>,
+    recording: Mutex<Option<Vec<CpuOp>>>,
+}
+
+impl CpuStream {
+    fn submit(&self, op: CpuOp) -> Result<()> {
+        if let Some(rec) = lock(&self.recording).as_mut() {
+            rec.push(op);
+            return Ok(());
+        }
+        op.execute(&self.core)
+    }
+}
+
+impl StreamOps for CpuStream {
+    fn launch(&self, kernel: &KernelImpl, entry: &KernelEntry, cfg: &LaunchConfig, args: &[LaunchArg]) -> Result<()> {
+        #[allow(unreachable_patterns)]
+        let f = match kernel {
+            KernelImpl::Cpu(k) => k.f,
+            _ => return Err(wrong_backend("kernel")),
+        };
+        self.submit(CpuOp::Launch { f, entry: Arc::new(entry.clone()), cfg: *cfg, args: args.to_vec() })
+    }
+
+    fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()> {
+        self.submit(CpuOp::Memset { addr, bytes, value })
+    }
+
+    fn copy_d2d(&self, src: u64, dst: u64, bytes: usize) -> Result<()> {
+        self.submit(CpuOp::Copy { src, dst, bytes })
+    }
+
+    fn copy_h2d(&self, src: &[u8], dst: u64) -> Result<()> {
+        let (a, off) = self.core.resolve(dst, src.len()).map_err(|why| bad_addr("copy_from_host", "dst", dst, src.len(), why))?;
+        let mut d = lock(&a.data);
+        bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn copy_pinned_h2d(&self, src: &PinnedImpl, offset: usize, dst: u64, bytes: usize) -> Result<()> {
+        #[allow(unreachable_patterns)]
+        let src = match src {
+            PinnedImpl::Cpu(p) => p.clone(),
+            _ => return Err(wrong_backend("pinned buffer")),
+        };
+        self.submit(CpuOp::CopyPinned { src, offset, dst, bytes })
+    }
+
+    fn copy_d2h_sync(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        let (a, off) = self.core.resolve(src, dst.len()).map_err(|why| bad_addr("copy_to_host_sync", "src", src, dst.len(), why))?;
+        let d = lock(&a.data);
+        dst.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&d)[off..off + dst.len()]);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+
+    fn wait_event(&self, _event: &EventImpl) -> Result<()> {
+        // Work completes at enqueue on this backend, so every recorded event is already complete.
+        Ok(())
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        *lock(&self.recording) = Some(Vec::new());
+        Ok(())
+    }
+
+    fn end_capture(&self) -> Result<GraphImpl> {
+        let ops = lock(&self.recording).take().unwrap_or_default();
+        Ok(GraphImpl::Cpu(CpuGraph { core: self.core.clone(), ops }))
+    }
+
+    fn abort_capture(&self) -> Result<()> {
+        *lock(&self.recording) = None;
+        Ok(())
+    }
+}
+
+/// An event on the CPU backend: the host time at which it was recorded.
+pub(crate) struct CpuEvent {
+    at: Mutex<Option<Instant>>,
+}
+
+impl EventOps for CpuEvent {
+    fn record(&self, _stream: &StreamImpl) -> Result<()> {
+        *lock(&self.at) = Some(Instant::now());
+        Ok(())
+    }
+    fn synchronize(&self) -> Result<()> {
+        Ok(())
+    }
+    fn elapsed_ms(&self, end: &EventImpl) -> Result<f32> {
+        #[allow(unreachable_patterns)]
+        let end = match end {
+            EventImpl::Cpu(e) => e,
+            _ => return Err(wrong_backend("event")),
+        };
+        let (Some(a), Some(b)) = (*lock(&self.at), *lock(&end.at)) else {
+            return Err(HalError::EventNotRecorded);
+        };
+        Ok(b.saturating_duration_since(a).as_secs_f32() * 1e3)
+    }
+}
+
+/// A recorded operation list.
+pub(crate) struct CpuGraph {
+    core: Arc<CpuCore>,
+    ops: Vec<CpuOp>,
+}
+
+impl GraphOps for CpuGraph {
+    fn replay(&self, _stream: &StreamImpl) -> Result<()> {
+        for op in &self.ops {
+            op.execute(&self.core)?;
+        }
+        Ok(())
+    }
+    fn node_count(&self) -> usize {
+        self.ops.len()
+    }
+}

@@ -1,0 +1,162 @@
+//! A few small kernels used by the HAL's example, tests and benches: each has a CUDA/HIP source
+//! and a CPU reference with the same arguments. Shapes are 1-D `[n]` unless noted.
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+use crate::cpu::CpuLaunch;
+use crate::error::Result;
+use crate::kernel::{KernelEntry, KernelSource, Param, ScalarKind};
+use crate::bf16;
+
+const CODE: &str = r#"
+HF_KERNEL void hf_axpy(const float* x, float* y, float a, uint32_t n) {
+    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+HF_KERNEL void hf_scale(const float* x, float* out, float s, uint32_t n) {
+    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = s * x[i];
+}
+HF_KERNEL void hf_add(const float* a, const float* b, float* out, uint32_t n) {
+    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = a[i] + b[i];
+}
+HF_KERNEL void hf_gather(const float* src, const int32_t* idx, float* out, uint32_t n) {
+    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) { int32_t j = idx[i]; out[i] = j < 0 ? 0.0f : src[j]; }
+}
+HF_KERNEL void hf_touch(float* x, uint32_t n) {
+    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
+HF_KERNEL void hf_row_sum_bf16(const hf_bf16* x, float* out, uint32_t rows, uint32_t cols) {
+    uint32_t r = blockIdx.x;
+    if (r >= rows) return;
+    float acc = 0.0f;
+    for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x) acc += hf_bf16_to_f32(x[(uint64_t)r * cols + c]);
+    __shared__ float part[32];
+    acc = hf_warp_sum(acc);
+    uint32_t lane = threadIdx.x % HF_WARP_SIZE, warp = threadIdx.x / HF_WARP_SIZE;
+    if (lane == 0) part[warp] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float t = 0.0f;
+        for (uint32_t w = 0; w < (blockDim.x + HF_WARP_SIZE - 1) / HF_WARP_SIZE; ++w) t += part[w];
+        out[r] = t;
+    }
+}
+"#;
+
+fn n_arg(l: &CpuLaunch<'_>, i: usize, views: &[usize]) -> Result<usize> {
+    let n = l.count(i)?;
+    if let Some(&short) = views.iter().find(|&&len| len < n) {
+        // The GPU kernel would read or write past the view: report it as the sanitizer does.
+        return Err(crate::HalError::OutOfBounds {
+            kernel: l.kernel_name().to_string(),
+            arg: "n".into(),
+            index: short,
+            len: short,
+            buffer: "a view shorter than n".into(),
+        });
+    }
+    Ok(n)
+}
+
+fn axpy(l: &CpuLaunch<'_>) -> Result<()> {
+    let (x, y, a) = (l.ptr::<f32>(0)?, l.ptr::<f32>(1)?, l.f32(2)?);
+    let n = n_arg(l, 3, &[x.len(), y.len()])?;
+    let xs = x.read(0, n)?;
+    let mut ys = y.read(0, n)?;
+    ys.par_iter_mut().zip(&xs).for_each(|(y, x)| *y += a * x);
+    y.write(0, &ys)
+}
+
+fn scale(l: &CpuLaunch<'_>) -> Result<()> {
+    let (x, out, s) = (l.ptr::<f32>(0)?, l.ptr::<f32>(1)?, l.f32(2)?);
+    let n = n_arg(l, 3, &[x.len(), out.len()])?;
+    let v: Vec<f32> = x.read(0, n)?.iter().map(|x| s * x).collect();
+    out.write(0, &v)
+}
+
+fn add(l: &CpuLaunch<'_>) -> Result<()> {
+    let (a, b, out) = (l.ptr::<f32>(0)?, l.ptr::<f32>(1)?, l.ptr::<f32>(2)?);
+    let n = n_arg(l, 3, &[a.len(), b.len(), out.len()])?;
+    let (av, bv) = (a.read(0, n)?, b.read(0, n)?);
+    out.write(0, &av.iter().zip(&bv).map(|(a, b)| a + b).collect::<Vec<_>>())
+}
+
+fn gather(l: &CpuLaunch<'_>) -> Result<()> {
+    let (src, idx, out) = (l.ptr::<f32>(0)?, l.ptr::<i32>(1)?, l.ptr::<f32>(2)?);
+    let n = n_arg(l, 3, &[idx.len(), out.len()])?;
+    for i in 0..n {
+        let j = idx.get(i)?;
+        // Every index is checked against `src`'s view: an out-of-range one is an error, not garbage.
+        out.set(i, if j < 0 { 0.0 } else { src.get(j as usize)? })?;
+    }
+    Ok(())
+}
+
+fn touch(l: &CpuLaunch<'_>) -> Result<()> {
+    let x = l.ptr::<f32>(0)?;
+    let n = n_arg(l, 1, &[x.len()])?;
+    let v: Vec<f32> = x.read(0, n)?.iter().map(|x| x + 1.0).collect();
+    x.write(0, &v)
+}
+
+fn row_sum_bf16(l: &CpuLaunch<'_>) -> Result<()> {
+    let (x, out) = (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?);
+    let (rows, cols) = (l.count(2)?, l.count(3)?);
+    let xs = x.read(0, rows * cols)?;
+    let sums: Vec<f32> = xs.chunks(cols.max(1)).take(rows).map(|r| r.iter().map(|v| v.to_f32()).sum()).collect();
+    out.write(0, &sums)
+}
+
+/// The demo kernel source: `hf_axpy` (y = a·x + y), `hf_scale` (out = s·x), `hf_add`
+/// (out = a + b), `hf_gather` (out[i] = src[idx[i]], 0 for idx < 0), `hf_touch` (x += 1, a
+/// near-empty kernel for overhead measurements) and `hf_row_sum_bf16` (`x [rows, cols]` bf16 →
+/// `out [rows]` f32, one block per row; the CPU sum order differs, so compare within tolerance).
+pub fn source() -> &'static KernelSource {
+    static SRC: OnceLock<KernelSource> = OnceLock::new();
+    SRC.get_or_init(|| {
+        let n = || Param::scalar("n", ScalarKind::U32);
+        KernelSource {
+            name: "hal_demo",
+            code: CODE,
+            entries: vec![
+                KernelEntry {
+                    name: "hf_axpy",
+                    params: vec![Param::input::<f32>("x"), Param::inout::<f32>("y"), Param::scalar("a", ScalarKind::F32), n()],
+                    cpu: axpy,
+                },
+                KernelEntry {
+                    name: "hf_scale",
+                    params: vec![Param::input::<f32>("x"), Param::output::<f32>("out"), Param::scalar("s", ScalarKind::F32), n()],
+                    cpu: scale,
+                },
+                KernelEntry {
+                    name: "hf_add",
+                    params: vec![Param::input::<f32>("a"), Param::input::<f32>("b"), Param::output::<f32>("out"), n()],
+                    cpu: add,
+                },
+                KernelEntry {
+                    name: "hf_gather",
+                    params: vec![Param::input::<f32>("src"), Param::input::<i32>("idx"), Param::output::<f32>("out"), n()],
+                    cpu: gather,
+                },
+                KernelEntry { name: "hf_touch", params: vec![Param::inout::<f32>("x"), n()], cpu: touch },
+                KernelEntry {
+                    name: "hf_row_sum_bf16",
+                    params: vec![
+                        Param::input::<bf16>("x"),
+                        Param::output::<f32>("out"),
+                        Param::scalar("rows", ScalarKind::U32),
+                        Param::scalar("cols", ScalarKind::U32),
+                    ],
+                    cpu: row_sum_bf16,
+                },
+            ],
+        }
+    })
+}

@@ -1,0 +1,325 @@
+//! Streams (in-order queues) and events.
+//!
+//! Every operation checks the capture rules of DESIGN.md 3.1 here, before any backend call, so
+//! the rules and their errors are the same on every backend. Operations on a capturing stream are
+//! recorded (not executed) and must only touch persistent buffers.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use crate::backend::{EventImpl, EventOps, LaunchArg, StreamImpl, StreamOps};
+use crate::capture::{CaptureLog, CaptureState, CaptureStatus, ViewRecord};
+use crate::device::{lock, DeviceShared};
+use crate::dtype::Element;
+use crate::error::{CaptureOp, HalError, Result};
+use crate::graph::Graph;
+use crate::kernel::{check_args, Arg, Kernel, LaunchConfig};
+use crate::memory::{PinnedBuffer, RawView, View};
+
+/// An in-order queue of device work.
+pub struct Stream {
+    pub(crate) device: Arc<DeviceShared>,
+    pub(crate) inner: StreamImpl,
+    capture: Mutex<CaptureState>,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Stream(device {}, {:?})", self.device.id, self.capture_status())
+    }
+}
+
+impl Stream {
+    pub(crate) fn new(device: Arc<DeviceShared>, inner: StreamImpl) -> Self {
+        Stream { device, inner, capture: Mutex::new(CaptureState::Idle) }
+    }
+
+    /// The id of the device this stream belongs to.
+    pub fn device_id(&self) -> u64 {
+        self.device.id
+    }
+
+    /// Whether the stream is capturing, and how much it has recorded.
+    pub fn capture_status(&self) -> CaptureStatus {
+        match &*lock(&self.capture) {
+            CaptureState::Idle => CaptureStatus::Idle,
+            CaptureState::Capturing(log) => CaptureStatus::Capturing { label: log.label.clone(), ops: log.ops },
+        }
+    }
+
+    /// True while capturing.
+    pub fn is_capturing(&self) -> bool {
+        matches!(&*lock(&self.capture), CaptureState::Capturing(_))
+    }
+
+    fn same_device(&self, v: &RawView, what: &str) -> Result<()> {
+        if v.alloc.device.id != self.device.id {
+            return Err(HalError::DeviceMismatch(format!("{what}: buffer `{}` belongs to another device", v.label())));
+        }
+        Ok(())
+    }
+
+    /// Runs `f` with the capture log if capturing (after checking that every view in `uses` is
+    /// persistent), then the backend call `op`.
+    fn enqueue(
+        &self,
+        what: &str,
+        uses: &[(&str, &RawView, bool)],
+        on_log: impl FnOnce(&mut CaptureLog),
+        op: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let mut state = lock(&self.capture);
+        if let CaptureState::Capturing(log) = &mut *state {
+            for (arg, v, _) in uses {
+                if !v.is_persistent() {
+                    return Err(HalError::NotGraphStable {
+                        kernel: what.to_string(),
+                        arg: arg.to_string(),
+                        buffer: v.label().to_string(),
+                    });
+                }
+            }
+            op()?;
+            for (_, v, reads) in uses {
+                log.retain(&v.alloc);
+                if *reads {
+                    log.note_read(&v.alloc);
+                }
+            }
+            on_log(log);
+            log.ops += 1;
+            Ok(())
+        } else {
+            drop(state);
+            op()
+        }
+    }
+
+    /// Launches `kernel` with `args`, checked against its declared signature.
+    pub fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        if kernel.device_id != self.device.id {
+            return Err(HalError::DeviceMismatch(format!("kernel `{}` was compiled for another device", kernel.name())));
+        }
+        cfg.validate(kernel.name())?;
+        check_args(kernel.name(), kernel.params(), args)?;
+        let mut launch_args = Vec::with_capacity(args.len());
+        let mut uses = Vec::new();
+        for (p, a) in kernel.params().iter().zip(args) {
+            launch_args.push(match a {
+                Arg::Ptr(v) => {
+                    self.same_device(v, kernel.name())?;
+                    let reads = matches!(p.kind, crate::ParamKind::Ptr { access, .. } if access.reads());
+                    uses.push((p.name, v, reads));
+                    LaunchArg::Ptr { addr: v.addr(), len: v.len() }
+                }
+                Arg::I32(x) => LaunchArg::I32(*x),
+                Arg::U32(x) => LaunchArg::U32(*x),
+                Arg::I64(x) => LaunchArg::I64(*x),
+                Arg::U64(x) => LaunchArg::U64(*x),
+                Arg::F32(x) => LaunchArg::F32(*x),
+            });
+        }
+        self.enqueue(kernel.name(), &uses, |_| {}, || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, &launch_args))
+    }
+
+    /// Sets every byte of `dst` to `value`.
+    pub fn memset<T: Element>(&self, dst: &View<T>, value: u8) -> Result<()> {
+        let v = dst.raw();
+        self.same_device(&v, "memset")?;
+        self.enqueue("memset", &[("dst", &v, false)], |_| {}, || self.inner.memset(v.addr(), v.bytes(), value))
+    }
+
+    /// Device-to-device copy of equal-length views.
+    pub fn copy<T: Element>(&self, src: &View<T>, dst: &View<T>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(HalError::LengthMismatch { op: "copy", src: src.len(), dst: dst.len() });
+        }
+        let (s, d) = (src.raw(), dst.raw());
+        self.same_device(&s, "copy")?;
+        self.same_device(&d, "copy")?;
+        self.enqueue("copy", &[("src", &s, true), ("dst", &d, false)], |_| {}, || self.inner.copy_d2d(s.addr(), d.addr(), s.bytes()))
+    }
+
+    /// Copies from pageable host memory. Illegal during capture (it would bake in a host pointer
+    /// the driver must stage synchronously); use [`Stream::copy_from_pinned`] instead.
+    pub fn copy_from_host<T: Element>(&self, src: &[T], dst: &View<T>) -> Result<()> {
+        self.device.forbid_during_capture(CaptureOp::PageableCopy, || format!("into `{}`", dst.label()))?;
+        if src.len() != dst.len() {
+            return Err(HalError::LengthMismatch { op: "copy_from_host", src: src.len(), dst: dst.len() });
+        }
+        let d = dst.raw();
+        self.same_device(&d, "copy_from_host")?;
+        self.inner.copy_h2d(bytemuck::cast_slice(src), d.addr())?;
+        d.alloc.bump_host_gen();
+        Ok(())
+    }
+
+    /// Asynchronous copy of `dst.len()` elements from `src` starting at element `src_offset`.
+    /// Legal during capture: the graph then reads the pinned buffer at every replay.
+    pub fn copy_from_pinned<T: Element>(&self, src: &PinnedBuffer<T>, src_offset: usize, dst: &View<T>) -> Result<()> {
+        src.check(src_offset, dst.len())?;
+        let d = dst.raw();
+        self.same_device(&d, "copy_from_pinned")?;
+        if src.alloc.device.id != self.device.id {
+            return Err(HalError::DeviceMismatch("copy_from_pinned: pinned buffer belongs to another device".into()));
+        }
+        let offset = src_offset * T::DTYPE.size();
+        let capturing = self.is_capturing();
+        self.enqueue(
+            "copy_from_pinned",
+            &[("dst", &d, false)],
+            |log| {
+                log.pinned.push(src.alloc.clone());
+                log.refreshed_in_graph.insert(d.alloc.id);
+                log.host_inputs.remove(&d.alloc.id);
+            },
+            || self.inner.copy_pinned_h2d(&src.alloc.inner, offset, d.addr(), d.bytes()),
+        )?;
+        if !capturing {
+            d.alloc.bump_host_gen();
+        }
+        Ok(())
+    }
+
+    /// Reads a view back to the host, waiting for all earlier work on the stream: a host sync,
+    /// illegal during capture.
+    pub fn copy_to_host_sync<T: Element>(&self, src: &View<T>) -> Result<Vec<T>> {
+        self.device.forbid_during_capture(CaptureOp::DeviceToHost, || format!("from `{}`", src.label()))?;
+        let s = src.raw();
+        self.same_device(&s, "copy_to_host_sync")?;
+        let mut out = vec![T::default(); src.len()];
+        self.device.stats.on_host_sync();
+        self.inner.copy_d2h_sync(s.addr(), bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
+    }
+
+    /// Waits until all work on the stream has completed. Illegal during capture.
+    pub fn synchronize(&self) -> Result<()> {
+        self.device.forbid_during_capture(CaptureOp::Synchronize, || "stream synchronize".into())?;
+        self.device.stats.on_host_sync();
+        self.inner.synchronize()
+    }
+
+    /// Makes later work on this stream wait for `event`.
+    pub fn wait_event(&self, event: &Event) -> Result<()> {
+        if self.is_capturing() {
+            return Err(HalError::IllegalDuringCapture { op: CaptureOp::Event, detail: "stream wait".into() });
+        }
+        self.inner.wait_event(&event.inner)
+    }
+
+    /// Starts recording: until [`Stream::end_capture`], work on this stream is recorded, not run.
+    pub fn begin_capture(&self, label: &str) -> Result<()> {
+        let mut state = lock(&self.capture);
+        // Validate the transition first so a rejected one changes nothing.
+        if let CaptureState::Capturing(_) = &*state {
+            return Err(HalError::CaptureTransition { attempted: "begin capture on", state: "capturing" });
+        }
+        self.inner.begin_capture()?;
+        state.begin(label)?;
+        self.device.capture_started();
+        Ok(())
+    }
+
+    /// Finishes recording and returns the replayable graph.
+    pub fn end_capture(&self) -> Result<Graph> {
+        let mut state = lock(&self.capture);
+        if let CaptureState::Idle = &*state {
+            return Err(HalError::CaptureTransition { attempted: "end capture on", state: "idle" });
+        }
+        let result = self.inner.end_capture();
+        let log = state.finish("end capture on")?;
+        drop(state);
+        self.device.capture_finished();
+        Ok(Graph::new(self.device.clone(), result?, log))
+    }
+
+    /// Discards the capture in progress (Capturing → Idle); nothing recorded survives.
+    pub fn abort_capture(&self) -> Result<()> {
+        let mut state = lock(&self.capture);
+        if let CaptureState::Idle = &*state {
+            return Err(HalError::CaptureTransition { attempted: "abort capture on", state: "idle" });
+        }
+        let result = self.inner.abort_capture();
+        let _log = state.finish("abort capture on")?;
+        drop(state);
+        self.device.capture_finished();
+        result
+    }
+
+    /// Names `view` as an input of the graph being captured; [`Graph::replay_with_inputs`] then
+    /// requires the caller to hand the same view (address, length, type) under that name.
+    pub fn bind_input(&self, name: &str, view: impl Into<RawView>) -> Result<()> {
+        let view = view.into();
+        let mut state = lock(&self.capture);
+        match &mut *state {
+            CaptureState::Capturing(log) => {
+                if log.inputs.iter().any(|(n, _)| n == name) {
+                    return Err(HalError::Unsupported(format!("graph input `{name}` is bound twice")));
+                }
+                log.inputs.push((name.to_string(), ViewRecord::of(&view)));
+                log.retain(&view.alloc);
+                Ok(())
+            }
+            CaptureState::Idle => Err(HalError::CaptureTransition { attempted: "bind a graph input on", state: "idle" }),
+        }
+    }
+
+    pub(crate) fn replay_guard(&self) -> Result<()> {
+        if self.is_capturing() {
+            return Err(HalError::IllegalDuringCapture { op: CaptureOp::Replay, detail: "into a capturing stream".into() });
+        }
+        Ok(())
+    }
+}
+
+/// A marker in a stream: for ordering between streams and for timing.
+pub struct Event {
+    device: Arc<DeviceShared>,
+    pub(crate) inner: EventImpl,
+    recorded: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for Event {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Event(device {})", self.device.id)
+    }
+}
+
+impl Event {
+    pub(crate) fn new(device: Arc<DeviceShared>, inner: EventImpl) -> Self {
+        Event { device, inner, recorded: std::sync::atomic::AtomicBool::new(false) }
+    }
+
+    /// Records the event at the current end of `stream`. Not allowed on a capturing stream.
+    pub fn record(&self, stream: &Stream) -> Result<()> {
+        if stream.device.id != self.device.id {
+            return Err(HalError::DeviceMismatch("event recorded on a stream of another device".into()));
+        }
+        if stream.is_capturing() {
+            return Err(HalError::IllegalDuringCapture { op: CaptureOp::Event, detail: "event record".into() });
+        }
+        self.inner.record(&stream.inner)?;
+        self.recorded.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Waits on the host until the event has completed (a host sync).
+    pub fn synchronize(&self) -> Result<()> {
+        self.device.forbid_during_capture(CaptureOp::Synchronize, || "event synchronize".into())?;
+        if !self.recorded.load(Ordering::Acquire) {
+            return Err(HalError::EventNotRecorded);
+        }
+        self.device.stats.on_host_sync();
+        self.inner.synchronize()
+    }
+
+    /// Milliseconds of device time between `self` and `end` (both recorded; waits for `end`).
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        if !self.recorded.load(Ordering::Acquire) || !end.recorded.load(Ordering::Acquire) {
+            return Err(HalError::EventNotRecorded);
+        }
+        end.synchronize()?;
+        self.inner.elapsed_ms(&end.inner)
+    }
+}
