@@ -6,9 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use holdfast_graph::{
-    CaptureSizeConfig, CaptureSizes, Dispatcher, DispatcherConfig, GraphMode, LoraConfig, ModeSet,
-};
+use holdfast_graph::{CaptureSizeConfig, CaptureSizes, Dispatcher, DispatcherConfig, GraphMode, LoraConfig, ModeSet};
 
 /// 1024 token counts in `1..=600` (some above the 512 maximum), uniform every other step.
 fn batches() -> Vec<(u32, bool)> {
@@ -53,14 +51,7 @@ fn bench(c: &mut Criterion) {
         b.iter(|| {
             let (n, uniform) = inputs[i & 1023];
             i = i.wrapping_add(1);
-            black_box(d.dispatch(
-                black_box(n),
-                black_box(uniform),
-                false,
-                0,
-                ModeSet::ALL,
-                ModeSet::EMPTY,
-            ))
+            black_box(d.dispatch(black_box(n), black_box(uniform), false, 0, ModeSet::ALL, ModeSet::EMPTY))
         })
     });
 

@@ -23,24 +23,14 @@ pub struct BatchDescriptor {
 impl BatchDescriptor {
     /// The descriptor of an eager step: `num_tokens` as given, nothing else.
     pub const fn unpadded(num_tokens: u32) -> BatchDescriptor {
-        BatchDescriptor {
-            num_tokens,
-            num_reqs: None,
-            uniform: false,
-            has_lora: false,
-            num_active_loras: 0,
-        }
+        BatchDescriptor { num_tokens, num_reqs: None, uniform: false, has_lora: false, num_active_loras: 0 }
     }
 
     /// The same descriptor without the request count and uniform flag: the key under which a
     /// piecewise graph serves it.
     #[must_use]
     pub const fn relaxed(self) -> BatchDescriptor {
-        BatchDescriptor {
-            num_reqs: None,
-            uniform: false,
-            ..self
-        }
+        BatchDescriptor { num_reqs: None, uniform: false, ..self }
     }
 }
 
@@ -68,53 +58,23 @@ mod tests {
         let d = BatchDescriptor::unpadded(7);
         assert_eq!(
             d,
-            BatchDescriptor {
-                num_tokens: 7,
-                num_reqs: None,
-                uniform: false,
-                has_lora: false,
-                num_active_loras: 0
-            }
+            BatchDescriptor { num_tokens: 7, num_reqs: None, uniform: false, has_lora: false, num_active_loras: 0 }
         );
     }
 
     #[test]
     fn relaxing_drops_request_count_and_uniformity_only() {
-        let d = BatchDescriptor {
-            num_tokens: 8,
-            num_reqs: Some(4),
-            uniform: true,
-            has_lora: true,
-            num_active_loras: 2,
-        };
+        let d =
+            BatchDescriptor { num_tokens: 8, num_reqs: Some(4), uniform: true, has_lora: true, num_active_loras: 2 };
         let r = d.relaxed();
-        assert_eq!(
-            (
-                r.num_tokens,
-                r.num_reqs,
-                r.uniform,
-                r.has_lora,
-                r.num_active_loras
-            ),
-            (8, None, false, true, 2)
-        );
+        assert_eq!((r.num_tokens, r.num_reqs, r.uniform, r.has_lora, r.num_active_loras), (8, None, false, true, 2));
     }
 
     #[test]
     fn display_names_every_field() {
-        let d = BatchDescriptor {
-            num_tokens: 8,
-            num_reqs: Some(4),
-            uniform: true,
-            has_lora: false,
-            num_active_loras: 0,
-        };
-        assert_eq!(
-            d.to_string(),
-            "{num_tokens=8, num_reqs=4, uniform=true, has_lora=false, num_active_loras=0}"
-        );
-        assert!(BatchDescriptor::unpadded(3)
-            .to_string()
-            .contains("num_reqs=any"));
+        let d =
+            BatchDescriptor { num_tokens: 8, num_reqs: Some(4), uniform: true, has_lora: false, num_active_loras: 0 };
+        assert_eq!(d.to_string(), "{num_tokens=8, num_reqs=4, uniform=true, has_lora=false, num_active_loras=0}");
+        assert!(BatchDescriptor::unpadded(3).to_string().contains("num_reqs=any"));
     }
 }

@@ -90,11 +90,7 @@ impl Dispatcher {
     /// Mixed keys: every capture size × LoRA case, non-uniform (relaxed to any request count for
     /// PIECEWISE). Uniform-decode FULL keys (separate-routine modes only): sizes in
     /// `q..=q * max_num_seqs` × LoRA cases.
-    pub fn initialize_keys(
-        &mut self,
-        mode: GraphMode,
-        uniform_decode_query_len: u32,
-    ) -> Result<(), GraphError> {
+    pub fn initialize_keys(&mut self, mode: GraphMode, uniform_decode_query_len: u32) -> Result<(), GraphError> {
         let q = uniform_decode_query_len;
         if q == 0 {
             return Err(GraphError::InvalidSetting {
@@ -118,30 +114,17 @@ impl Dispatcher {
             let cases = self.lora.capture_cases();
             let mixed = mode.mixed_mode();
             if mixed != RuntimeMode::None {
-                let set = if mixed == RuntimeMode::Full {
-                    &mut full
-                } else {
-                    &mut piecewise
-                };
+                let set = if mixed == RuntimeMode::Full { &mut full } else { &mut piecewise };
                 for &size in self.sizes.sizes() {
                     for &k in &cases {
                         let d = self.padded(mode, q, size, false, k > 0, k);
-                        set.insert(if mixed == RuntimeMode::Piecewise {
-                            d.relaxed()
-                        } else {
-                            d
-                        });
+                        set.insert(if mixed == RuntimeMode::Piecewise { d.relaxed() } else { d });
                     }
                 }
             }
             if decode_full {
                 let top = u64::from(q) * u64::from(self.max_num_seqs);
-                for &size in self
-                    .sizes
-                    .sizes()
-                    .iter()
-                    .filter(|&&s| s >= q && u64::from(s) <= top)
-                {
+                for &size in self.sizes.sizes().iter().filter(|&&s| s >= q && u64::from(s) <= top) {
                     for &k in &cases {
                         full.insert(self.padded(mode, q, size, true, k > 0, k));
                     }
@@ -175,15 +158,8 @@ impl Dispatcher {
         valid_modes: ModeSet,
         invalid_modes: ModeSet,
     ) -> Result<(RuntimeMode, BatchDescriptor), GraphError> {
-        self.dispatch_detailed(
-            num_tokens,
-            uniform_decode,
-            has_lora,
-            num_active_loras,
-            valid_modes,
-            invalid_modes,
-        )
-        .map(|d| (d.mode, d.descriptor))
+        self.dispatch_detailed(num_tokens, uniform_decode, has_lora, num_active_loras, valid_modes, invalid_modes)
+            .map(|d| (d.mode, d.descriptor))
     }
 
     /// [`dispatch`](Self::dispatch), also saying why an eager step fell back.
@@ -197,26 +173,15 @@ impl Dispatcher {
         valid_modes: ModeSet,
         invalid_modes: ModeSet,
     ) -> Result<Dispatched, GraphError> {
-        let valid = if valid_modes.is_empty() {
-            ModeSet::ALL
-        } else {
-            valid_modes
-        };
+        let valid = if valid_modes.is_empty() { ModeSet::ALL } else { valid_modes };
         let allowed = valid.minus(invalid_modes);
         if allowed.is_empty() {
-            return Err(GraphError::NoAllowedMode {
-                valid: valid_modes,
-                invalid: invalid_modes,
-            });
+            return Err(GraphError::NoAllowedMode { valid: valid_modes, invalid: invalid_modes });
         }
         let early = if !self.initialized || !self.mode.is_enabled() {
             Some(FallbackReason::GraphsDisabled)
         } else if num_tokens > self.max_size {
-            Some(if self.max_size == 0 {
-                FallbackReason::GraphsDisabled
-            } else {
-                FallbackReason::AboveMaxSize
-            })
+            Some(if self.max_size == 0 { FallbackReason::GraphsDisabled } else { FallbackReason::AboveMaxSize })
         } else if allowed.is_subset_of(ModeSet::only(RuntimeMode::None)) {
             Some(FallbackReason::NotAllowed)
         } else {
@@ -230,58 +195,29 @@ impl Dispatcher {
         let uniform = uniform_decode && self.mode.separate_routine();
         // `num_tokens <= max_size` here, so the table has an entry.
         let padded = self.table.pad(num_tokens).unwrap_or(num_tokens);
-        let desc = self.padded(
-            self.mode,
-            self.uniform_decode_query_len,
-            padded,
-            uniform,
-            has_lora,
-            loras,
-        );
+        let desc = self.padded(self.mode, self.uniform_decode_query_len, padded, uniform, has_lora, loras);
         let full_hit = self.full_keys.contains(&desc);
         if full_hit && allowed.contains(RuntimeMode::Full) {
-            self.stats
-                .record(RuntimeMode::Full, num_tokens, desc.num_tokens, None);
-            return Ok(Dispatched {
-                mode: RuntimeMode::Full,
-                descriptor: desc,
-                fallback: None,
-            });
+            self.stats.record(RuntimeMode::Full, num_tokens, desc.num_tokens, None);
+            return Ok(Dispatched { mode: RuntimeMode::Full, descriptor: desc, fallback: None });
         }
         let relaxed = desc.relaxed();
         let piecewise_hit = self.piecewise_keys.contains(&relaxed);
         if piecewise_hit && allowed.contains(RuntimeMode::Piecewise) {
-            self.stats
-                .record(RuntimeMode::Piecewise, num_tokens, relaxed.num_tokens, None);
-            return Ok(Dispatched {
-                mode: RuntimeMode::Piecewise,
-                descriptor: relaxed,
-                fallback: None,
-            });
+            self.stats.record(RuntimeMode::Piecewise, num_tokens, relaxed.num_tokens, None);
+            return Ok(Dispatched { mode: RuntimeMode::Piecewise, descriptor: relaxed, fallback: None });
         }
         if !allowed.contains(RuntimeMode::None) {
-            return Err(GraphError::EagerNotAllowed {
-                num_tokens,
-                allowed,
-            });
+            return Err(GraphError::EagerNotAllowed { num_tokens, allowed });
         }
-        let why = if full_hit || piecewise_hit {
-            FallbackReason::NotAllowed
-        } else {
-            FallbackReason::NotInKeys
-        };
+        let why = if full_hit || piecewise_hit { FallbackReason::NotAllowed } else { FallbackReason::NotInKeys };
         Ok(self.eager(num_tokens, why))
     }
 
     #[inline]
     fn eager(&mut self, num_tokens: u32, why: FallbackReason) -> Dispatched {
-        self.stats
-            .record(RuntimeMode::None, num_tokens, num_tokens, Some(why));
-        Dispatched {
-            mode: RuntimeMode::None,
-            descriptor: BatchDescriptor::unpadded(num_tokens),
-            fallback: Some(why),
-        }
+        self.stats.record(RuntimeMode::None, num_tokens, num_tokens, Some(why));
+        Dispatched { mode: RuntimeMode::None, descriptor: BatchDescriptor::unpadded(num_tokens), fallback: Some(why) }
     }
 
     /// The descriptor for a step padded to `padded` tokens. A uniform batch under a mode with
@@ -297,11 +233,8 @@ impl Dispatcher {
         has_lora: bool,
         num_active_loras: u32,
     ) -> BatchDescriptor {
-        let (uniform, reqs) = if uniform && mode.has_mode(RuntimeMode::Full) {
-            (true, padded / q)
-        } else {
-            (false, padded)
-        };
+        let (uniform, reqs) =
+            if uniform && mode.has_mode(RuntimeMode::Full) { (true, padded / q) } else { (false, padded) };
         BatchDescriptor {
             num_tokens: padded,
             num_reqs: Some(reqs.min(self.max_num_seqs)),
@@ -314,22 +247,17 @@ impl Dispatcher {
     /// Every graph to capture: PIECEWISE first, then FULL (modes without keys left out), each
     /// list largest first by `(num_tokens, num_active_loras)`.
     pub fn capture_descs(&self) -> Vec<(RuntimeMode, Vec<BatchDescriptor>)> {
-        [
-            (RuntimeMode::Piecewise, &self.piecewise_keys),
-            (RuntimeMode::Full, &self.full_keys),
-        ]
-        .into_iter()
-        .filter(|(_, keys)| !keys.is_empty())
-        .map(|(mode, keys)| {
-            let mut v: Vec<BatchDescriptor> = keys.iter().copied().collect();
-            v.sort_unstable_by(|a, b| {
-                (b.num_tokens, b.num_active_loras)
-                    .cmp(&(a.num_tokens, a.num_active_loras))
-                    .then(b.cmp(a))
-            });
-            (mode, v)
-        })
-        .collect()
+        [(RuntimeMode::Piecewise, &self.piecewise_keys), (RuntimeMode::Full, &self.full_keys)]
+            .into_iter()
+            .filter(|(_, keys)| !keys.is_empty())
+            .map(|(mode, keys)| {
+                let mut v: Vec<BatchDescriptor> = keys.iter().copied().collect();
+                v.sort_unstable_by(|a, b| {
+                    (b.num_tokens, b.num_active_loras).cmp(&(a.num_tokens, a.num_active_loras)).then(b.cmp(a))
+                });
+                (mode, v)
+            })
+            .collect()
     }
 
     /// Whether `desc` is a key of `mode` (always false for NONE).
@@ -394,23 +322,12 @@ mod tests {
     const ALL: ModeSet = ModeSet::ALL;
     const NO: ModeSet = ModeSet::EMPTY;
 
-    fn dispatcher(
-        sizes: &[u32],
-        max_num_seqs: u32,
-        lora: LoraConfig,
-        mode: GraphMode,
-        q: u32,
-    ) -> Dispatcher {
+    fn dispatcher(sizes: &[u32], max_num_seqs: u32, lora: LoraConfig, mode: GraphMode, q: u32) -> Dispatcher {
         let capture_sizes = match CaptureSizes::new(sizes.iter().copied()) {
             Ok(s) => s,
             Err(e) => panic!("{e}"),
         };
-        let config = DispatcherConfig {
-            capture_sizes,
-            max_num_seqs,
-            lora,
-            attention_is_splitting_op: true,
-        };
+        let config = DispatcherConfig { capture_sizes, max_num_seqs, lora, attention_is_splitting_op: true };
         let mut d = match Dispatcher::new(config) {
             Ok(d) => d,
             Err(e) => panic!("{e}"),
@@ -426,13 +343,7 @@ mod tests {
     }
 
     fn desc(num_tokens: u32, num_reqs: Option<u32>, uniform: bool) -> BatchDescriptor {
-        BatchDescriptor {
-            num_tokens,
-            num_reqs,
-            uniform,
-            has_lora: false,
-            num_active_loras: 0,
-        }
+        BatchDescriptor { num_tokens, num_reqs, uniform, has_lora: false, num_active_loras: 0 }
     }
 
     fn go(d: &mut Dispatcher, n: u32, uniform: bool) -> (RuntimeMode, BatchDescriptor) {
@@ -488,10 +399,7 @@ mod tests {
         let mut d = dsv4(GraphMode::FullDecodeOnly);
         assert_eq!(go(&mut d, 8, true), (R::Full, desc(8, Some(8), true)));
         let r = d.dispatch_detailed(8, false, false, 0, ALL, NO);
-        assert_eq!(
-            r.map(|x| (x.mode, x.fallback)),
-            Ok((R::None, Some(FallbackReason::NotInKeys)))
-        );
+        assert_eq!(r.map(|x| (x.mode, x.fallback)), Ok((R::None, Some(FallbackReason::NotInKeys))));
     }
 
     #[test]
@@ -506,57 +414,32 @@ mod tests {
     fn invalid_full_falls_back_to_piecewise_and_valid_none_forces_eager() {
         let mut d = dsv4(GraphMode::FullAndPiecewise);
         let full = ModeSet::only(R::Full);
-        assert_eq!(
-            d.dispatch(4, true, false, 0, ALL, full),
-            Ok((R::Piecewise, desc(4, None, false)))
-        );
+        assert_eq!(d.dispatch(4, true, false, 0, ALL, full), Ok((R::Piecewise, desc(4, None, false))));
         let r = d.dispatch_detailed(4, true, false, 0, ModeSet::only(R::None), NO);
-        assert_eq!(
-            r.map(|x| (x.mode, x.fallback)),
-            Ok((R::None, Some(FallbackReason::NotAllowed)))
-        );
+        assert_eq!(r.map(|x| (x.mode, x.fallback)), Ok((R::None, Some(FallbackReason::NotAllowed))));
         // FDO + FULL invalid: the FULL key exists but may not be used.
         let mut d = dsv4(GraphMode::FullDecodeOnly);
         let r = d.dispatch_detailed(4, true, false, 0, ALL, full);
-        assert_eq!(
-            r.map(|x| (x.mode, x.fallback)),
-            Ok((R::None, Some(FallbackReason::NotAllowed)))
-        );
+        assert_eq!(r.map(|x| (x.mode, x.fallback)), Ok((R::None, Some(FallbackReason::NotAllowed))));
     }
 
     #[test]
     fn an_empty_valid_set_means_every_mode() {
         let mut d = dsv4(GraphMode::FullAndPiecewise);
-        assert_eq!(
-            d.dispatch(4, true, false, 0, NO, NO),
-            Ok((R::Full, desc(4, Some(4), true)))
-        );
+        assert_eq!(d.dispatch(4, true, false, 0, NO, NO), Ok((R::Full, desc(4, Some(4), true))));
     }
 
     #[test]
     fn no_allowed_mode_or_forbidden_eager_fallback_are_errors() {
         let mut d = dsv4(GraphMode::FullDecodeOnly);
         assert_eq!(
-            d.dispatch(
-                4,
-                true,
-                false,
-                0,
-                ModeSet::only(R::Full),
-                ModeSet::only(R::Full)
-            ),
-            Err(GraphError::NoAllowedMode {
-                valid: ModeSet::only(R::Full),
-                invalid: ModeSet::only(R::Full)
-            })
+            d.dispatch(4, true, false, 0, ModeSet::only(R::Full), ModeSet::only(R::Full)),
+            Err(GraphError::NoAllowedMode { valid: ModeSet::only(R::Full), invalid: ModeSet::only(R::Full) })
         );
         let graphs = ModeSet::of(&[R::Full, R::Piecewise]);
         assert_eq!(
             d.dispatch(4, false, false, 0, graphs, NO),
-            Err(GraphError::EagerNotAllowed {
-                num_tokens: 4,
-                allowed: graphs
-            })
+            Err(GraphError::EagerNotAllowed { num_tokens: 4, allowed: graphs })
         );
         assert_eq!(d.stats().dispatches(), 0);
     }
@@ -569,30 +452,19 @@ mod tests {
             lora: LoraConfig::Disabled,
             attention_is_splitting_op: true,
         };
-        let Ok(mut d) = Dispatcher::new(config) else {
-            panic!("new")
-        };
+        let Ok(mut d) = Dispatcher::new(config) else { panic!("new") };
         assert!(!d.keys_initialized());
         assert_eq!(go(&mut d, 1, true), (R::None, BatchDescriptor::unpadded(1)));
         assert_eq!(d.initialize_keys(GraphMode::None, 1), Ok(()));
         assert!(d.keys_initialized());
-        assert_eq!(
-            go(&mut d, 2, false),
-            (R::None, BatchDescriptor::unpadded(2))
-        );
+        assert_eq!(go(&mut d, 2, false), (R::None, BatchDescriptor::unpadded(2)));
         assert_eq!(d.stats().fallbacks(FallbackReason::GraphsDisabled), 2);
         assert!(d.capture_descs().is_empty());
     }
 
     #[test]
     fn spec_decode_uniform_keys_count_whole_requests() {
-        let mut d = dispatcher(
-            &[3, 6, 9, 12, 24],
-            4,
-            LoraConfig::Disabled,
-            GraphMode::FullAndPiecewise,
-            3,
-        );
+        let mut d = dispatcher(&[3, 6, 9, 12, 24], 4, LoraConfig::Disabled, GraphMode::FullAndPiecewise, 3);
         assert_eq!(go(&mut d, 6, true), (R::Full, desc(6, Some(2), true)));
         assert_eq!(go(&mut d, 12, true), (R::Full, desc(12, Some(4), true)));
         // 24 > q * max_num_seqs = 12: no uniform key.
@@ -605,10 +477,7 @@ mod tests {
         let before = d.capture_descs();
         assert_eq!(
             d.initialize_keys(GraphMode::FullAndPiecewise, 3),
-            Err(GraphError::SizeNotMultipleOfQueryLen {
-                size: 1,
-                query_len: 3
-            })
+            Err(GraphError::SizeNotMultipleOfQueryLen { size: 1, query_len: 3 })
         );
         assert!(d.initialize_keys(GraphMode::Full, 0).is_err());
         assert_eq!(d.capture_descs(), before);
@@ -626,14 +495,9 @@ mod tests {
             lora: LoraConfig::Disabled,
             attention_is_splitting_op: false,
         };
-        let Ok(mut d) = Dispatcher::new(config) else {
-            panic!("new")
-        };
+        let Ok(mut d) = Dispatcher::new(config) else { panic!("new") };
         for m in [GraphMode::Piecewise, GraphMode::FullAndPiecewise] {
-            assert_eq!(
-                d.initialize_keys(m, 1),
-                Err(GraphError::PiecewiseNeedsSplittingAttention { mode: m })
-            );
+            assert_eq!(d.initialize_keys(m, 1), Err(GraphError::PiecewiseNeedsSplittingAttention { mode: m }));
         }
         assert_eq!(d.initialize_keys(GraphMode::FullDecodeOnly, 1), Ok(()));
     }
@@ -647,15 +511,8 @@ mod tests {
             attention_is_splitting_op: true,
         };
         assert!(Dispatcher::new(base.clone()).is_err());
-        let bad = DispatcherConfig {
-            max_num_seqs: 1,
-            lora: LoraConfig::Unspecialized { max_loras: 0 },
-            ..base
-        };
-        assert!(matches!(
-            Dispatcher::new(bad),
-            Err(GraphError::InvalidLora { .. })
-        ));
+        let bad = DispatcherConfig { max_num_seqs: 1, lora: LoraConfig::Unspecialized { max_loras: 0 }, ..base };
+        assert!(matches!(Dispatcher::new(bad), Err(GraphError::InvalidLora { .. })));
     }
 
     #[test]
@@ -663,81 +520,37 @@ mod tests {
         let d = dispatcher(
             &[1, 2, 4],
             8,
-            LoraConfig::Specialized {
-                captured_counts: vec![1, 2],
-            },
+            LoraConfig::Specialized { captured_counts: vec![1, 2] },
             GraphMode::FullAndPiecewise,
             1,
         );
         let descs = d.capture_descs();
-        assert_eq!(
-            descs.iter().map(|(m, _)| *m).collect::<Vec<_>>(),
-            vec![R::Piecewise, R::Full]
-        );
-        let order = |v: &[BatchDescriptor]| {
-            v.iter()
-                .map(|d| (d.num_tokens, d.num_active_loras))
-                .collect::<Vec<_>>()
-        };
-        let want = vec![
-            (4, 2),
-            (4, 1),
-            (4, 0),
-            (2, 2),
-            (2, 1),
-            (2, 0),
-            (1, 2),
-            (1, 1),
-            (1, 0),
-        ];
+        assert_eq!(descs.iter().map(|(m, _)| *m).collect::<Vec<_>>(), vec![R::Piecewise, R::Full]);
+        let order = |v: &[BatchDescriptor]| v.iter().map(|d| (d.num_tokens, d.num_active_loras)).collect::<Vec<_>>();
+        let want = vec![(4, 2), (4, 1), (4, 0), (2, 2), (2, 1), (2, 0), (1, 2), (1, 1), (1, 0)];
         assert_eq!(order(&descs[0].1), want);
         assert_eq!(order(&descs[1].1), want);
-        assert!(descs[0]
-            .1
-            .iter()
-            .all(|d| d.num_reqs.is_none() && !d.uniform));
-        assert!(descs[1]
-            .1
-            .iter()
-            .all(|d| d.uniform && d.num_reqs == Some(d.num_tokens)));
-        assert!(descs[1]
-            .1
-            .iter()
-            .all(|d| d.has_lora == (d.num_active_loras > 0)));
+        assert!(descs[0].1.iter().all(|d| d.num_reqs.is_none() && !d.uniform));
+        assert!(descs[1].1.iter().all(|d| d.uniform && d.num_reqs == Some(d.num_tokens)));
+        assert!(descs[1].1.iter().all(|d| d.has_lora == (d.num_active_loras > 0)));
     }
 
     #[test]
     fn lora_steps_look_up_the_captured_adapter_count() {
-        let lora = LoraConfig::Specialized {
-            captured_counts: vec![1, 2, 4],
-        };
+        let lora = LoraConfig::Specialized { captured_counts: vec![1, 2, 4] };
         let mut d = dispatcher(&[1, 2, 4, 8], 8, lora, GraphMode::FullAndPiecewise, 1);
         let r = d.dispatch(3, true, true, 3, ALL, NO);
-        assert_eq!(
-            r.map(|(m, x)| (m, x.num_active_loras, x.has_lora)),
-            Ok((R::Full, 4, true))
-        );
+        assert_eq!(r.map(|(m, x)| (m, x.num_active_loras, x.has_lora)), Ok((R::Full, 4, true)));
         // More adapters than any capture: count kept, no key, eager.
         let r = d.dispatch(3, true, true, 5, ALL, NO);
         assert_eq!(r.map(|(m, _)| m), Ok(R::None));
 
-        let mut d = dispatcher(
-            &[1, 2, 4, 8],
-            8,
-            LoraConfig::Unspecialized { max_loras: 4 },
-            GraphMode::FullAndPiecewise,
-            1,
-        );
+        let mut d =
+            dispatcher(&[1, 2, 4, 8], 8, LoraConfig::Unspecialized { max_loras: 4 }, GraphMode::FullAndPiecewise, 1);
         let r = d.dispatch(3, false, true, 1, ALL, NO);
-        assert_eq!(
-            r.map(|(m, x)| (m, x.num_active_loras)),
-            Ok((R::Piecewise, 5))
-        );
+        assert_eq!(r.map(|(m, x)| (m, x.num_active_loras)), Ok((R::Piecewise, 5)));
         // Unspecialised graphs are captured with adapters only.
-        assert_eq!(
-            d.dispatch(3, false, false, 0, ALL, NO).map(|(m, _)| m),
-            Ok(R::None)
-        );
+        assert_eq!(d.dispatch(3, false, false, 0, ALL, NO).map(|(m, _)| m), Ok(R::None));
     }
 
     #[test]
@@ -748,16 +561,10 @@ mod tests {
         go(&mut d, 40, false); // NONE above max
         let _ = d.dispatch(4, true, false, 0, ModeSet::only(R::None), NO); // NONE not allowed
         let s = *d.stats();
-        assert_eq!(
-            (s.count(R::Full), s.count(R::Piecewise), s.count(R::None)),
-            (1, 1, 2)
-        );
+        assert_eq!((s.count(R::Full), s.count(R::Piecewise), s.count(R::None)), (1, 1, 2));
         assert_eq!(s.fallbacks(FallbackReason::AboveMaxSize), 1);
         assert_eq!(s.fallbacks(FallbackReason::NotAllowed), 1);
-        assert_eq!(
-            (s.real_tokens(), s.padded_tokens(), s.padding_overhead()),
-            (52, 56, 4)
-        );
+        assert_eq!((s.real_tokens(), s.padded_tokens(), s.padding_overhead()), (52, 56, 4));
         assert!(s.to_string().contains("overhead=4"));
         d.reset_stats();
         assert_eq!(d.stats().dispatches(), 0);

@@ -72,10 +72,6 @@ pub use lora::LoraConfig;
 pub use mode::{GraphMode, RuntimeMode};
 pub use mode_set::ModeSet;
 pub use padding::PaddingTable;
-pub use sizes::{
-    CaptureSizeConfig, CaptureSizes, SizeWarning, DEFAULT_MAX_CAPTURE_SIZE_CAP, MAX_CAPTURE_SIZE,
-};
+pub use sizes::{CaptureSizeConfig, CaptureSizes, SizeWarning, DEFAULT_MAX_CAPTURE_SIZE_CAP, MAX_CAPTURE_SIZE};
 pub use stats::{DispatchStats, FallbackReason};
-pub use support::{
-    min_support, resolve, CgSupport, Downgrade, DowngradeRule, ResolveContext, Resolved,
-};
+pub use support::{min_support, resolve, CgSupport, Downgrade, DowngradeRule, ResolveContext, Resolved};

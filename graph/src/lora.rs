@@ -28,10 +28,7 @@ impl LoraConfig {
     /// (e.g. 8 → 1, 2, 4, 8, 9).
     pub fn specialized_powers_of_two(max_loras: u32) -> LoraConfig {
         let top = max_loras.saturating_add(1);
-        let mut captured_counts: Vec<u32> = (0..32)
-            .map(|b| 1u32 << b)
-            .take_while(|&p| p <= top)
-            .collect();
+        let mut captured_counts: Vec<u32> = (0..32).map(|b| 1u32 << b).take_while(|&p| p <= top).collect();
         if captured_counts.last() != Some(&top) {
             captured_counts.push(top);
         }
@@ -56,13 +53,9 @@ impl LoraConfig {
             }
             LoraConfig::Unspecialized { max_loras } => {
                 if *max_loras == 0 || *max_loras == u32::MAX {
-                    return Err(GraphError::InvalidLora {
-                        reason: "max_loras must be in 1..u32::MAX",
-                    });
+                    return Err(GraphError::InvalidLora { reason: "max_loras must be in 1..u32::MAX" });
                 }
-                Ok(LoraConfig::Unspecialized {
-                    max_loras: *max_loras,
-                })
+                Ok(LoraConfig::Unspecialized { max_loras: *max_loras })
             }
         }
     }
@@ -71,9 +64,9 @@ impl LoraConfig {
     pub(crate) fn capture_cases(&self) -> Vec<u32> {
         match self {
             LoraConfig::Disabled => vec![0],
-            LoraConfig::Specialized { captured_counts } => std::iter::once(0)
-                .chain(captured_counts.iter().copied())
-                .collect(),
+            LoraConfig::Specialized { captured_counts } => {
+                std::iter::once(0).chain(captured_counts.iter().copied()).collect()
+            }
             LoraConfig::Unspecialized { max_loras } => vec![max_loras.saturating_add(1)],
         }
     }
@@ -113,21 +106,14 @@ mod tests {
     #[test]
     fn capture_cases_follow_the_config_kind() {
         assert_eq!(LoraConfig::Disabled.capture_cases(), vec![0]);
-        let s = LoraConfig::Specialized {
-            captured_counts: vec![1, 2, 4],
-        };
+        let s = LoraConfig::Specialized { captured_counts: vec![1, 2, 4] };
         assert_eq!(s.capture_cases(), vec![0, 1, 2, 4]);
-        assert_eq!(
-            LoraConfig::Unspecialized { max_loras: 4 }.capture_cases(),
-            vec![5]
-        );
+        assert_eq!(LoraConfig::Unspecialized { max_loras: 4 }.capture_cases(), vec![5]);
     }
 
     #[test]
     fn effective_count_rounds_up_to_a_captured_count_or_keeps_it() {
-        let s = LoraConfig::Specialized {
-            captured_counts: vec![1, 2, 4, 8],
-        };
+        let s = LoraConfig::Specialized { captured_counts: vec![1, 2, 4, 8] };
         assert_eq!(s.effective_count(true, 3), 4);
         assert_eq!(s.effective_count(true, 4), 4);
         assert_eq!(s.effective_count(true, 9), 9);
@@ -141,22 +127,9 @@ mod tests {
 
     #[test]
     fn validation_sorts_counts_and_rejects_zero() {
-        let s = LoraConfig::Specialized {
-            captured_counts: vec![4, 1, 4],
-        };
-        assert_eq!(
-            s.validated(),
-            Ok(LoraConfig::Specialized {
-                captured_counts: vec![1, 4]
-            })
-        );
-        assert!(LoraConfig::Specialized {
-            captured_counts: vec![0, 1]
-        }
-        .validated()
-        .is_err());
-        assert!(LoraConfig::Unspecialized { max_loras: 0 }
-            .validated()
-            .is_err());
+        let s = LoraConfig::Specialized { captured_counts: vec![4, 1, 4] };
+        assert_eq!(s.validated(), Ok(LoraConfig::Specialized { captured_counts: vec![1, 4] }));
+        assert!(LoraConfig::Specialized { captured_counts: vec![0, 1] }.validated().is_err());
+        assert!(LoraConfig::Unspecialized { max_loras: 0 }.validated().is_err());
     }
 }

@@ -31,8 +31,7 @@ pub enum RuntimeMode {
 
 impl RuntimeMode {
     /// The three runtime modes, ascending.
-    pub const ALL: [RuntimeMode; 3] =
-        [RuntimeMode::None, RuntimeMode::Piecewise, RuntimeMode::Full];
+    pub const ALL: [RuntimeMode; 3] = [RuntimeMode::None, RuntimeMode::Piecewise, RuntimeMode::Full];
 
     /// Upper-case name, as displayed.
     pub const fn as_str(self) -> &'static str {
@@ -117,10 +116,7 @@ impl GraphMode {
     /// True for the two composite modes, whose decode and mixed batches take different routes
     /// (and so have separate FULL uniform-decode keys).
     pub const fn separate_routine(self) -> bool {
-        matches!(
-            self,
-            GraphMode::FullDecodeOnly | GraphMode::FullAndPiecewise
-        )
+        matches!(self, GraphMode::FullDecodeOnly | GraphMode::FullAndPiecewise)
     }
 
     /// Whether `m` is the decode or the mixed half of this mode (for a plain mode: whether it
@@ -208,8 +204,7 @@ impl TryFrom<GraphMode> for RuntimeMode {
     type Error = GraphError;
 
     fn try_from(mode: GraphMode) -> Result<RuntimeMode, GraphError> {
-        mode.as_runtime()
-            .ok_or(GraphError::NotARuntimeMode { mode })
+        mode.as_runtime().ok_or(GraphError::NotARuntimeMode { mode })
     }
 }
 
@@ -232,17 +227,11 @@ impl FromStr for GraphMode {
                 let given = trimmed.as_bytes();
                 name.len() == given.len()
                     && name.iter().zip(given).all(|(&n, &g)| {
-                        let g = if g == b'-' {
-                            b'_'
-                        } else {
-                            g.to_ascii_uppercase()
-                        };
+                        let g = if g == b'-' { b'_' } else { g.to_ascii_uppercase() };
                         n == g
                     })
             })
-            .ok_or_else(|| GraphError::UnknownGraphMode {
-                input: s.to_owned(),
-            })
+            .ok_or_else(|| GraphError::UnknownGraphMode { input: s.to_owned() })
     }
 }
 
@@ -284,18 +273,10 @@ mod tests {
             assert_eq!(m.max_mode(), r.max, "{m} max");
             assert_eq!(m.has_full(), r.has_full, "{m} has_full");
             assert_eq!(m.has_piecewise(), r.has_piecewise, "{m} has_piecewise");
-            assert_eq!(
-                m.requires_piecewise_compilation(),
-                r.has_piecewise,
-                "{m} requires pw"
-            );
+            assert_eq!(m.requires_piecewise_compilation(), r.has_piecewise, "{m} requires pw");
             assert_eq!(m.has_mode(R::None), r.has_none, "{m} has_mode(NONE)");
             assert_eq!(m.has_mode(R::Full), r.has_full_mode, "{m} has_mode(FULL)");
-            assert_eq!(
-                m.has_mode(R::Piecewise),
-                r.has_piecewise,
-                "{m} has_mode(PIECEWISE)"
-            );
+            assert_eq!(m.has_mode(R::Piecewise), r.has_piecewise, "{m} has_mode(PIECEWISE)");
             assert_eq!(m.is_enabled(), r.enabled, "{m} bool");
             assert_eq!(m.is_valid_runtime_mode(), !r.separate, "{m} is runtime");
         }
@@ -310,10 +291,7 @@ mod tests {
         let named = GraphMode::ALL.map(GraphMode::pair);
         for d in R::ALL {
             for x in R::ALL {
-                assert_eq!(
-                    GraphMode::from_pair(d, x).is_some(),
-                    named.contains(&(d, x))
-                );
+                assert_eq!(GraphMode::from_pair(d, x).is_some(), named.contains(&(d, x)));
             }
         }
     }
@@ -327,10 +305,7 @@ mod tests {
             assert_eq!(RuntimeMode::try_from(GraphMode::from(m)), Ok(m));
         }
         for m in [GraphMode::FullDecodeOnly, GraphMode::FullAndPiecewise] {
-            assert_eq!(
-                RuntimeMode::try_from(m),
-                Err(GraphError::NotARuntimeMode { mode: m })
-            );
+            assert_eq!(RuntimeMode::try_from(m), Err(GraphError::NotARuntimeMode { mode: m }));
         }
     }
 
@@ -349,22 +324,10 @@ mod tests {
 
     #[test]
     fn parsing_ignores_case_and_accepts_dashes() {
-        for s in [
-            "full_and_piecewise",
-            "FULL-AND-PIECEWISE",
-            "Full-And_Piecewise",
-            " full_and_piecewise\n",
-        ] {
-            assert_eq!(
-                s.parse::<GraphMode>(),
-                Ok(GraphMode::FullAndPiecewise),
-                "{s:?}"
-            );
+        for s in ["full_and_piecewise", "FULL-AND-PIECEWISE", "Full-And_Piecewise", " full_and_piecewise\n"] {
+            assert_eq!(s.parse::<GraphMode>(), Ok(GraphMode::FullAndPiecewise), "{s:?}");
         }
-        assert_eq!(
-            "full_decode_only".parse::<GraphMode>(),
-            Ok(GraphMode::FullDecodeOnly)
-        );
+        assert_eq!("full_decode_only".parse::<GraphMode>(), Ok(GraphMode::FullDecodeOnly));
         assert_eq!("none".parse::<GraphMode>(), Ok(GraphMode::None));
     }
 
@@ -372,18 +335,9 @@ mod tests {
     fn an_unknown_mode_string_is_an_error_naming_it() {
         for s in ["", "fullandpiecewise", "full_", "piecewise2", "ｆｕｌｌ"] {
             let err = s.parse::<GraphMode>();
-            assert_eq!(
-                err,
-                Err(GraphError::UnknownGraphMode {
-                    input: s.to_owned()
-                })
-            );
+            assert_eq!(err, Err(GraphError::UnknownGraphMode { input: s.to_owned() }));
         }
-        let msg = "bogus"
-            .parse::<GraphMode>()
-            .map(|_| ())
-            .err()
-            .map(|e| e.to_string());
+        let msg = "bogus".parse::<GraphMode>().map(|_| ()).err().map(|e| e.to_string());
         assert!(msg.is_some_and(|m| m.contains("`bogus`") && m.contains("full_and_piecewise")));
     }
 }

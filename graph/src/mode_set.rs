@@ -77,9 +77,7 @@ impl ModeSet {
 
     /// The modes in the set, ascending.
     pub fn iter(self) -> impl Iterator<Item = RuntimeMode> {
-        RuntimeMode::ALL
-            .into_iter()
-            .filter(move |&m| self.contains(m))
+        RuntimeMode::ALL.into_iter().filter(move |&m| self.contains(m))
     }
 }
 

@@ -58,22 +58,9 @@ mod tests {
 
     #[test]
     fn reference_examples_pad_to_the_next_captured_size() {
-        let sizes: Vec<u32> = [1, 2, 4]
-            .into_iter()
-            .chain((8..256).step_by(8))
-            .chain((256..=512).step_by(16))
-            .collect();
+        let sizes: Vec<u32> = [1, 2, 4].into_iter().chain((8..256).step_by(8)).chain((256..=512).step_by(16)).collect();
         let t = table(&sizes);
-        for (n, want) in [
-            (0, 0),
-            (1, 1),
-            (3, 4),
-            (5, 8),
-            (9, 16),
-            (257, 272),
-            (511, 512),
-            (512, 512),
-        ] {
+        for (n, want) in [(0, 0), (1, 1), (3, 4), (5, 8), (9, 16), (257, 272), (511, 512), (512, 512)] {
             assert_eq!(t.pad(n), Some(want), "pad({n})");
         }
         assert_eq!(t.pad(513), None);

@@ -81,10 +81,7 @@ impl fmt::Display for SizeWarning {
                 "truncating max_cudagraph_capture_size from {requested} to {actual}, the largest \
                  capture size it allows"
             ),
-            SizeWarning::DroppedAboveTokenBudget {
-                dropped,
-                max_num_batched_tokens,
-            } => write!(
+            SizeWarning::DroppedAboveTokenBudget { dropped, max_num_batched_tokens } => write!(
                 f,
                 "dropping capture sizes {dropped:?} above max_num_batched_tokens = \
                  {max_num_batched_tokens}"
@@ -111,10 +108,7 @@ impl CaptureSizes {
     pub fn new<I: IntoIterator<Item = u32>>(sizes: I) -> Result<Self, GraphError> {
         let set: BTreeSet<u32> = sizes.into_iter().collect();
         check_size_range(&set)?;
-        Ok(CaptureSizes {
-            sizes: set.into_iter().collect(),
-            warnings: Vec::new(),
-        })
+        Ok(CaptureSizes { sizes: set.into_iter().collect(), warnings: Vec::new() })
     }
 
     /// Build the sizes for a configuration (spec §3.2, then the spec-decode rounding of §2.2
@@ -127,21 +121,14 @@ impl CaptureSizes {
         let budget = cfg.max_num_batched_tokens;
         check_positive("max_num_seqs", cfg.max_num_seqs)?;
         check_positive("max_num_batched_tokens", budget)?;
-        let q = cfg
-            .num_spec_tokens
-            .checked_add(1)
-            .ok_or(GraphError::InvalidSetting {
-                setting: "num_spec_tokens",
-                value: cfg.num_spec_tokens.to_string(),
-                reason: "1 + num_spec_tokens overflows a u32",
-            })?;
+        let q = cfg.num_spec_tokens.checked_add(1).ok_or(GraphError::InvalidSetting {
+            setting: "num_spec_tokens",
+            value: cfg.num_spec_tokens.to_string(),
+            reason: "1 + num_spec_tokens overflows a u32",
+        })?;
 
-        let default_max = (u64::from(cfg.max_num_seqs) * u64::from(q) * 2)
-            .min(u64::from(DEFAULT_MAX_CAPTURE_SIZE_CAP));
-        let max = cfg
-            .max_capture_size
-            .map_or(default_max, u64::from)
-            .min(u64::from(budget));
+        let default_max = (u64::from(cfg.max_num_seqs) * u64::from(q) * 2).min(u64::from(DEFAULT_MAX_CAPTURE_SIZE_CAP));
+        let max = cfg.max_capture_size.map_or(default_max, u64::from).min(u64::from(budget));
         if max == 0 {
             return Err(GraphError::InvalidSetting {
                 setting: "max_cudagraph_capture_size",
@@ -178,18 +165,13 @@ impl CaptureSizes {
                     });
                 }
                 if !dropped.is_empty() {
-                    warnings.push(SizeWarning::DroppedAboveTokenBudget {
-                        dropped,
-                        max_num_batched_tokens: budget,
-                    });
+                    warnings.push(SizeWarning::DroppedAboveTokenBudget { dropped, max_num_batched_tokens: budget });
                 }
                 kept
             }
             None => {
-                let max = u32::try_from(max).map_err(|_| GraphError::CaptureSizeTooLarge {
-                    size: max,
-                    limit: MAX_CAPTURE_SIZE,
-                })?;
+                let max = u32::try_from(max)
+                    .map_err(|_| GraphError::CaptureSizeTooLarge { size: max, limit: MAX_CAPTURE_SIZE })?;
                 default_sizes(max, budget, cfg.interactivity)?
             }
         };
@@ -200,15 +182,9 @@ impl CaptureSizes {
         if let Some(requested) = cfg.max_capture_size {
             if requested != largest {
                 if cfg.capture_sizes.is_some() {
-                    return Err(GraphError::InconsistentCaptureSizes {
-                        max: requested,
-                        largest,
-                    });
+                    return Err(GraphError::InconsistentCaptureSizes { max: requested, largest });
                 }
-                warnings.push(SizeWarning::TruncatedMax {
-                    requested,
-                    actual: largest,
-                });
+                warnings.push(SizeWarning::TruncatedMax { requested, actual: largest });
             }
         }
 
@@ -243,16 +219,9 @@ impl CaptureSizes {
             rounded.push(multiple);
         }
         if rounded.is_empty() {
-            return Err(GraphError::NoSizeAfterSpecDecodeRounding {
-                multiple,
-                max,
-                sizes: self.sizes.clone(),
-            });
+            return Err(GraphError::NoSizeAfterSpecDecodeRounding { multiple, max, sizes: self.sizes.clone() });
         }
-        Ok(CaptureSizes {
-            sizes: rounded,
-            warnings: self.warnings.clone(),
-        })
+        Ok(CaptureSizes { sizes: rounded, warnings: self.warnings.clone() })
     }
 
     /// The sizes, ascending, in tokens.
@@ -289,10 +258,7 @@ impl CaptureSizes {
 /// The default list for a maximum `max ≥ 1` (spec §3.2 step 3).
 fn default_sizes(max: u32, budget: u32, interactivity: bool) -> Result<Vec<u32>, GraphError> {
     if max > MAX_CAPTURE_SIZE {
-        return Err(GraphError::CaptureSizeTooLarge {
-            size: u64::from(max),
-            limit: MAX_CAPTURE_SIZE,
-        });
+        return Err(GraphError::CaptureSizeTooLarge { size: u64::from(max), limit: MAX_CAPTURE_SIZE });
     }
     let mut set = BTreeSet::new();
     if interactivity {
@@ -314,11 +280,7 @@ fn default_sizes(max: u32, budget: u32, interactivity: bool) -> Result<Vec<u32>,
 
 fn check_positive(setting: &'static str, value: u32) -> Result<(), GraphError> {
     if value == 0 {
-        return Err(GraphError::InvalidSetting {
-            setting,
-            value: "0".to_owned(),
-            reason: "must be at least 1",
-        });
+        return Err(GraphError::InvalidSetting { setting, value: "0".to_owned(), reason: "must be at least 1" });
     }
     Ok(())
 }
@@ -332,10 +294,9 @@ fn check_size_range(set: &BTreeSet<u32>) -> Result<(), GraphError> {
         });
     }
     match set.last() {
-        Some(&s) if s > MAX_CAPTURE_SIZE => Err(GraphError::CaptureSizeTooLarge {
-            size: u64::from(s),
-            limit: MAX_CAPTURE_SIZE,
-        }),
+        Some(&s) if s > MAX_CAPTURE_SIZE => {
+            Err(GraphError::CaptureSizeTooLarge { size: u64::from(s), limit: MAX_CAPTURE_SIZE })
+        }
         _ => Ok(()),
     }
 }
@@ -426,10 +387,7 @@ mod tests {
         assert_eq!(s.sizes(), &[1, 8, 64, 100]);
         assert_eq!(
             s.warnings(),
-            &[SizeWarning::DroppedAboveTokenBudget {
-                dropped: vec![101, 200],
-                max_num_batched_tokens: 100
-            }]
+            &[SizeWarning::DroppedAboveTokenBudget { dropped: vec![101, 200], max_num_batched_tokens: 100 }]
         );
     }
 
@@ -445,13 +403,7 @@ mod tests {
         let mut c = cfg(8, 100);
         c.capture_sizes = Some(vec![1, 2, 4, 200]);
         c.max_capture_size = Some(200);
-        assert_eq!(
-            CaptureSizes::build(&c),
-            Err(GraphError::InconsistentCaptureSizes {
-                max: 200,
-                largest: 4
-            })
-        );
+        assert_eq!(CaptureSizes::build(&c), Err(GraphError::InconsistentCaptureSizes { max: 200, largest: 4 }));
         c.max_capture_size = Some(4);
         assert_eq!(build(&c).sizes(), &[1, 2, 4]);
     }
@@ -462,13 +414,7 @@ mod tests {
         c.max_capture_size = Some(100);
         let s = build(&c);
         assert_eq!(s.max(), 96);
-        assert_eq!(
-            s.warnings(),
-            &[SizeWarning::TruncatedMax {
-                requested: 100,
-                actual: 96
-            }]
-        );
+        assert_eq!(s.warnings(), &[SizeWarning::TruncatedMax { requested: 100, actual: 96 }]);
         c.max_capture_size = Some(1000);
         let s = build(&c);
         assert_eq!(s.max(), 992);
@@ -483,13 +429,7 @@ mod tests {
         c.max_capture_size = Some(10_000);
         let s = build(&c);
         assert_eq!(s.max(), 300);
-        assert_eq!(
-            s.warnings(),
-            &[SizeWarning::TruncatedMax {
-                requested: 10_000,
-                actual: 300
-            }]
-        );
+        assert_eq!(s.warnings(), &[SizeWarning::TruncatedMax { requested: 10_000, actual: 300 }]);
     }
 
     #[test]
@@ -498,75 +438,45 @@ mod tests {
         c.capture_sizes = Some(vec![]);
         assert!(matches!(
             CaptureSizes::build(&c),
-            Err(GraphError::InvalidSetting {
-                setting: "cudagraph_capture_sizes",
-                ..
-            })
+            Err(GraphError::InvalidSetting { setting: "cudagraph_capture_sizes", .. })
         ));
         c.capture_sizes = Some(vec![0, 4]);
         assert!(matches!(
             CaptureSizes::build(&c),
-            Err(GraphError::InvalidSetting {
-                setting: "cudagraph_capture_sizes",
-                ..
-            })
+            Err(GraphError::InvalidSetting { setting: "cudagraph_capture_sizes", .. })
         ));
         c.capture_sizes = Some(vec![101, 500]);
         assert_eq!(
             CaptureSizes::build(&c),
-            Err(GraphError::NoCaptureSizeFits {
-                sizes: vec![101, 500],
-                max_num_batched_tokens: 100
-            })
+            Err(GraphError::NoCaptureSizeFits { sizes: vec![101, 500], max_num_batched_tokens: 100 })
         );
         c.capture_sizes = None;
         c.max_capture_size = Some(0);
         assert!(matches!(
             CaptureSizes::build(&c),
-            Err(GraphError::InvalidSetting {
-                setting: "max_cudagraph_capture_size",
-                ..
-            })
+            Err(GraphError::InvalidSetting { setting: "max_cudagraph_capture_size", .. })
         ));
         let mut big = cfg(8, u32::MAX);
         big.capture_sizes = Some(vec![MAX_CAPTURE_SIZE + 1]);
-        assert!(matches!(
-            CaptureSizes::build(&big),
-            Err(GraphError::CaptureSizeTooLarge { .. })
-        ));
+        assert!(matches!(CaptureSizes::build(&big), Err(GraphError::CaptureSizeTooLarge { .. })));
         big.capture_sizes = None;
         big.max_capture_size = Some(u32::MAX);
-        assert!(matches!(
-            CaptureSizes::build(&big),
-            Err(GraphError::CaptureSizeTooLarge { .. })
-        ));
+        assert!(matches!(CaptureSizes::build(&big), Err(GraphError::CaptureSizeTooLarge { .. })));
     }
 
     #[test]
     fn zero_seqs_or_tokens_are_errors_when_graphs_are_on() {
         assert!(matches!(
             CaptureSizes::build(&cfg(0, 10)),
-            Err(GraphError::InvalidSetting {
-                setting: "max_num_seqs",
-                ..
-            })
+            Err(GraphError::InvalidSetting { setting: "max_num_seqs", .. })
         ));
         assert!(matches!(
             CaptureSizes::build(&cfg(1, 0)),
-            Err(GraphError::InvalidSetting {
-                setting: "max_num_batched_tokens",
-                ..
-            })
+            Err(GraphError::InvalidSetting { setting: "max_num_batched_tokens", .. })
         ));
         let mut c = cfg(1, 10);
         c.num_spec_tokens = u32::MAX;
-        assert!(matches!(
-            CaptureSizes::build(&c),
-            Err(GraphError::InvalidSetting {
-                setting: "num_spec_tokens",
-                ..
-            })
-        ));
+        assert!(matches!(CaptureSizes::build(&c), Err(GraphError::InvalidSetting { setting: "num_spec_tokens", .. })));
     }
 
     #[test]
@@ -599,38 +509,22 @@ mod tests {
         let s = CaptureSizes::new([5]).and_then(|s| s.round_for_spec_decode(3));
         assert_eq!(s.map(|s| s.sizes().to_vec()), Ok(vec![3]));
         let s = CaptureSizes::new([1, 2]).and_then(|s| s.round_for_spec_decode(3));
-        assert_eq!(
-            s,
-            Err(GraphError::NoSizeAfterSpecDecodeRounding {
-                multiple: 3,
-                max: 2,
-                sizes: vec![1, 2]
-            })
-        );
+        assert_eq!(s, Err(GraphError::NoSizeAfterSpecDecodeRounding { multiple: 3, max: 2, sizes: vec![1, 2] }));
         let mut c = cfg(8, 2);
         c.num_spec_tokens = 3;
-        assert!(matches!(
-            CaptureSizes::build(&c),
-            Err(GraphError::NoSizeAfterSpecDecodeRounding { multiple: 4, .. })
-        ));
+        assert!(matches!(CaptureSizes::build(&c), Err(GraphError::NoSizeAfterSpecDecodeRounding { multiple: 4, .. })));
     }
 
     #[test]
     fn rounding_is_a_no_op_for_query_length_one_or_no_sizes() {
         let s = CaptureSizes::new([1, 5, 7]);
         assert_eq!(s.clone().and_then(|s| s.round_for_spec_decode(1)), s);
-        assert_eq!(
-            CaptureSizes::empty().round_for_spec_decode(4),
-            Ok(CaptureSizes::empty())
-        );
+        assert_eq!(CaptureSizes::empty().round_for_spec_decode(4), Ok(CaptureSizes::empty()));
     }
 
     #[test]
     fn explicit_lists_are_sorted_and_reject_zero() {
-        assert_eq!(
-            CaptureSizes::new([8, 1, 8, 4]).map(|s| s.sizes().to_vec()),
-            Ok(vec![1, 4, 8])
-        );
+        assert_eq!(CaptureSizes::new([8, 1, 8, 4]).map(|s| s.sizes().to_vec()), Ok(vec![1, 4, 8]));
         assert!(CaptureSizes::new([0, 1]).is_err());
         assert!(CaptureSizes::new([MAX_CAPTURE_SIZE + 1]).is_err());
         assert_eq!(CaptureSizes::new([]).map(|s| s.max()), Ok(0));

@@ -55,13 +55,7 @@ pub struct DispatchStats {
 
 impl DispatchStats {
     #[inline]
-    pub(crate) fn record(
-        &mut self,
-        mode: RuntimeMode,
-        real: u32,
-        padded: u32,
-        why: Option<FallbackReason>,
-    ) {
+    pub(crate) fn record(&mut self, mode: RuntimeMode, real: u32, padded: u32, why: Option<FallbackReason>) {
         self.per_mode[mode as usize] += 1;
         if let Some(r) = why {
             self.fallbacks[r as usize] += 1;

@@ -48,15 +48,16 @@ pub fn min_support<'a, I>(backends: I) -> (CgSupport, Option<&'a str>)
 where
     I: IntoIterator<Item = (&'a str, CgSupport)>,
 {
-    backends
-        .into_iter()
-        .fold((CgSupport::Always, None), |(best, name), (n, s)| {
+    backends.into_iter().fold(
+        (CgSupport::Always, None),
+        |(best, name), (n, s)| {
             if s < best {
                 (s, Some(n))
             } else {
                 (best, name)
             }
-        })
+        },
+    )
 }
 
 /// Facts about the model and its attention that resolution needs.
@@ -135,11 +136,7 @@ const ADVICE_FINAL: &str = "this backend cannot run inside any full graph; set t
 /// 3. decode mode FULL, query length > 1 and support below `UniformBatch`: `Piecewise` when
 ///    attention is a splitting op, else `None`;
 /// 4. any full graph left with support `Never` is an error.
-pub fn resolve(
-    mode: GraphMode,
-    min_support: CgSupport,
-    ctx: &ResolveContext<'_>,
-) -> Result<Resolved, GraphError> {
+pub fn resolve(mode: GraphMode, min_support: CgSupport, ctx: &ResolveContext<'_>) -> Result<Resolved, GraphError> {
     let q = ctx.uniform_decode_query_len;
     if q == 0 {
         return Err(GraphError::InvalidSetting {
@@ -151,11 +148,7 @@ pub fn resolve(
     let mut current = mode;
     let mut downgrades = Vec::new();
     let splitting = ctx.attention_is_splitting_op;
-    let piecewise_or_none = if splitting {
-        GraphMode::Piecewise
-    } else {
-        GraphMode::None
-    };
+    let piecewise_or_none = if splitting { GraphMode::Piecewise } else { GraphMode::None };
 
     if current.mixed_mode() == RuntimeMode::Full && min_support != CgSupport::Always {
         if min_support == CgSupport::Never {
@@ -166,11 +159,7 @@ pub fn resolve(
                 advice: ADVICE_NEVER_MIXED,
             });
         }
-        let to = if splitting {
-            GraphMode::FullAndPiecewise
-        } else {
-            GraphMode::FullDecodeOnly
-        };
+        let to = if splitting { GraphMode::FullAndPiecewise } else { GraphMode::FullDecodeOnly };
         let why = if splitting {
             "mixed batches run piecewise around attention"
         } else {
@@ -206,10 +195,7 @@ pub fn resolve(
             ),
         });
         current = piecewise_or_none;
-    } else if current.decode_mode() == RuntimeMode::Full
-        && q > 1
-        && min_support < CgSupport::UniformBatch
-    {
+    } else if current.decode_mode() == RuntimeMode::Full && q > 1 && min_support < CgSupport::UniformBatch {
         let why = if splitting {
             "using piecewise graphs"
         } else {
@@ -233,11 +219,7 @@ pub fn resolve(
     for d in &downgrades {
         tracing::warn!(from = %d.from, to = %d.to, "graph mode downgraded: {}", d.reason);
     }
-    Ok(Resolved {
-        mode: current,
-        downgrades,
-        uniform_decode_query_len: q,
-    })
+    Ok(Resolved { mode: current, downgrades, uniform_decode_query_len: q })
 }
 
 /// Rule 4: no full graph may remain with a backend that supports none. The earlier rules make
@@ -261,21 +243,11 @@ mod tests {
     use GraphMode as M;
 
     fn ctx(q: u32, splitting: bool) -> ResolveContext<'static> {
-        ResolveContext {
-            backend: "TestBackend",
-            uniform_decode_query_len: q,
-            attention_is_splitting_op: splitting,
-        }
+        ResolveContext { backend: "TestBackend", uniform_decode_query_len: q, attention_is_splitting_op: splitting }
     }
 
-    fn resolved(
-        mode: M,
-        s: S,
-        q: u32,
-        splitting: bool,
-    ) -> Result<(M, Vec<DowngradeRule>), GraphError> {
-        resolve(mode, s, &ctx(q, splitting))
-            .map(|r| (r.mode, r.downgrades.iter().map(|d| d.rule).collect()))
+    fn resolved(mode: M, s: S, q: u32, splitting: bool) -> Result<(M, Vec<DowngradeRule>), GraphError> {
+        resolve(mode, s, &ctx(q, splitting)).map(|r| (r.mode, r.downgrades.iter().map(|d| d.rule).collect()))
     }
 
     #[test]
@@ -288,24 +260,14 @@ mod tests {
     #[test]
     fn min_support_keeps_the_first_backend_with_the_strict_minimum() {
         assert_eq!(min_support([]), (S::Always, None));
-        let b = [
-            ("A", S::Always),
-            ("B", S::UniformBatch),
-            ("C", S::UniformBatch),
-            ("D", S::Always),
-        ];
+        let b = [("A", S::Always), ("B", S::UniformBatch), ("C", S::UniformBatch), ("D", S::Always)];
         assert_eq!(min_support(b), (S::UniformBatch, Some("B")));
         assert_eq!(min_support([("A", S::Always)]), (S::Always, None));
     }
 
     #[test]
     fn none_resolves_to_none_whatever_the_support() {
-        for s in [
-            S::Never,
-            S::UniformSingleTokenDecode,
-            S::UniformBatch,
-            S::Always,
-        ] {
+        for s in [S::Never, S::UniformSingleTokenDecode, S::UniformBatch, S::Always] {
             assert_eq!(resolved(M::None, s, 3, false), Ok((M::None, vec![])));
         }
     }
@@ -324,10 +286,7 @@ mod tests {
         for s in [S::UniformSingleTokenDecode, S::UniformBatch] {
             assert_eq!(
                 resolved(M::Full, s, 1, true),
-                Ok((
-                    M::FullAndPiecewise,
-                    vec![DowngradeRule::MixedFullUnsupported]
-                ))
+                Ok((M::FullAndPiecewise, vec![DowngradeRule::MixedFullUnsupported]))
             );
         }
     }
@@ -346,36 +305,18 @@ mod tests {
     fn mixed_full_with_never_support_is_an_error_that_suggests_piecewise() {
         for splitting in [false, true] {
             let err = resolve(M::Full, S::Never, &ctx(1, splitting));
-            let Err(e) = err else {
-                panic!("expected an error, got {err:?}")
-            };
-            assert!(matches!(
-                e,
-                GraphError::UnsupportedGraphMode {
-                    mode: M::Full,
-                    support: S::Never,
-                    ..
-                }
-            ));
+            let Err(e) = err else { panic!("expected an error, got {err:?}") };
+            assert!(matches!(e, GraphError::UnsupportedGraphMode { mode: M::Full, support: S::Never, .. }));
             let msg = e.to_string();
-            assert!(
-                msg.contains("TestBackend") && msg.contains("PIECEWISE"),
-                "{msg}"
-            );
+            assert!(msg.contains("TestBackend") && msg.contains("PIECEWISE"), "{msg}");
         }
     }
 
     #[test]
     fn decode_full_with_never_support_becomes_piecewise_or_none() {
         for m in [M::FullDecodeOnly, M::FullAndPiecewise] {
-            assert_eq!(
-                resolved(m, S::Never, 1, true),
-                Ok((M::Piecewise, vec![DowngradeRule::DecodeFullUnsupported]))
-            );
-            assert_eq!(
-                resolved(m, S::Never, 1, false),
-                Ok((M::None, vec![DowngradeRule::DecodeFullUnsupported]))
-            );
+            assert_eq!(resolved(m, S::Never, 1, true), Ok((M::Piecewise, vec![DowngradeRule::DecodeFullUnsupported])));
+            assert_eq!(resolved(m, S::Never, 1, false), Ok((M::None, vec![DowngradeRule::DecodeFullUnsupported])));
         }
     }
 
@@ -391,10 +332,7 @@ mod tests {
                 Ok((M::None, vec![DowngradeRule::SpecDecodeUnsupported]))
             );
             // Query length 1 and UniformBatch are both fine.
-            assert_eq!(
-                resolved(m, S::UniformSingleTokenDecode, 1, true),
-                Ok((m, vec![]))
-            );
+            assert_eq!(resolved(m, S::UniformSingleTokenDecode, 1, true), Ok((m, vec![])));
             assert_eq!(resolved(m, S::UniformBatch, 4, false), Ok((m, vec![])));
         }
     }
@@ -403,13 +341,7 @@ mod tests {
     fn full_with_single_token_support_and_spec_decode_downgrades_twice_in_rule_order() {
         assert_eq!(
             resolved(M::Full, S::UniformSingleTokenDecode, 3, true),
-            Ok((
-                M::Piecewise,
-                vec![
-                    DowngradeRule::MixedFullUnsupported,
-                    DowngradeRule::SpecDecodeUnsupported
-                ]
-            ))
+            Ok((M::Piecewise, vec![DowngradeRule::MixedFullUnsupported, DowngradeRule::SpecDecodeUnsupported]))
         );
         let r = resolve(M::Full, S::UniformSingleTokenDecode, &ctx(3, false));
         let Ok(r) = r else { panic!("{r:?}") };
@@ -429,16 +361,8 @@ mod tests {
 
     #[test]
     fn piecewise_is_never_downgraded() {
-        for s in [
-            S::Never,
-            S::UniformSingleTokenDecode,
-            S::UniformBatch,
-            S::Always,
-        ] {
-            assert_eq!(
-                resolved(M::Piecewise, s, 5, true),
-                Ok((M::Piecewise, vec![]))
-            );
+        for s in [S::Never, S::UniformSingleTokenDecode, S::UniformBatch, S::Always] {
+            assert_eq!(resolved(M::Piecewise, s, 5, true), Ok((M::Piecewise, vec![])));
         }
     }
 
@@ -455,10 +379,7 @@ mod tests {
     fn a_zero_query_length_is_an_error() {
         assert!(matches!(
             resolve(M::Full, S::Always, &ctx(0, true)),
-            Err(GraphError::InvalidSetting {
-                setting: "uniform_decode_query_len",
-                ..
-            })
+            Err(GraphError::InvalidSetting { setting: "uniform_decode_query_len", .. })
         ));
     }
 
@@ -468,21 +389,13 @@ mod tests {
         let Ok(r) = r else { panic!("{r:?}") };
         let text = r.downgrades[0].to_string();
         assert!(text.starts_with("FULL -> FULL_AND_PIECEWISE: "), "{text}");
-        assert!(
-            text.contains("TestBackend") && text.contains("UNIFORM_BATCH"),
-            "{text}"
-        );
+        assert!(text.contains("TestBackend") && text.contains("UNIFORM_BATCH"), "{text}");
     }
 
     #[test]
     fn resolution_never_raises_the_largest_mode_and_full_needs_support() {
         for m in GraphMode::ALL {
-            for s in [
-                S::Never,
-                S::UniformSingleTokenDecode,
-                S::UniformBatch,
-                S::Always,
-            ] {
+            for s in [S::Never, S::UniformSingleTokenDecode, S::UniformBatch, S::Always] {
                 for q in [1, 2] {
                     for splitting in [false, true] {
                         if let Ok(r) = resolve(m, s, &ctx(q, splitting)) {

@@ -4,8 +4,7 @@
 //! random valid/invalid mode sets.
 
 use holdfast_graph::{
-    BatchDescriptor, CaptureSizes, Dispatcher, DispatcherConfig, GraphMode, LoraConfig, ModeSet,
-    RuntimeMode,
+    BatchDescriptor, CaptureSizes, Dispatcher, DispatcherConfig, GraphMode, LoraConfig, ModeSet, RuntimeMode,
 };
 use proptest::prelude::*;
 
@@ -96,13 +95,7 @@ impl Reference {
         } else {
             (np.min(self.max_num_seqs), false)
         };
-        Ok(BatchDescriptor {
-            num_tokens: np,
-            num_reqs: Some(reqs),
-            uniform,
-            has_lora,
-            num_active_loras: k,
-        })
+        Ok(BatchDescriptor { num_tokens: np, num_reqs: Some(reqs), uniform, has_lora, num_active_loras: k })
     }
 
     fn cases(&self) -> Vec<u32> {
@@ -165,22 +158,14 @@ impl Reference {
         valid: &[u8],
         invalid: &[u8],
     ) -> Result<(RuntimeMode, BatchDescriptor), ()> {
-        let base: Vec<u8> = if valid.is_empty() {
-            vec![0, 1, 2]
-        } else {
-            valid.to_vec()
-        };
+        let base: Vec<u8> = if valid.is_empty() { vec![0, 1, 2] } else { valid.to_vec() };
         let allowed: Vec<u8> = base.into_iter().filter(|m| !invalid.contains(m)).collect();
         if allowed.is_empty() {
             return Err(());
         }
         let max = self.sizes.iter().copied().max().unwrap_or(0);
         let eager = (RuntimeMode::None, BatchDescriptor::unpadded(n));
-        if !self.initialized
-            || self.mode == Value::Int(0)
-            || n > max
-            || allowed.iter().all(|&m| m == 0)
-        {
+        if !self.initialized || self.mode == Value::Int(0) || n > max || allowed.iter().all(|&m| m == 0) {
             return Ok(eager);
         }
         let mut k2 = k;
@@ -201,11 +186,7 @@ impl Reference {
             return Ok((RuntimeMode::Full, d));
         }
         if allowed.contains(&1) {
-            let r = BatchDescriptor {
-                num_reqs: None,
-                uniform: false,
-                ..d
-            };
+            let r = BatchDescriptor { num_reqs: None, uniform: false, ..d };
             if self.piecewise.contains(&r) {
                 return Ok((RuntimeMode::Piecewise, r));
             }
@@ -233,24 +214,16 @@ struct Step {
 }
 
 fn step() -> impl Strategy<Value = Step> {
-    (
-        0u32..300,
-        any::<bool>(),
-        any::<bool>(),
-        0u32..11,
-        0u8..8,
-        prop_oneof![3 => Just(0u8), 1 => 0u8..8],
+    (0u32..300, any::<bool>(), any::<bool>(), 0u32..11, 0u8..8, prop_oneof![3 => Just(0u8), 1 => 0u8..8]).prop_map(
+        |(num_tokens, uniform, has_lora, num_active_loras, valid, invalid)| Step {
+            num_tokens,
+            uniform,
+            has_lora,
+            num_active_loras,
+            valid,
+            invalid,
+        },
     )
-        .prop_map(
-            |(num_tokens, uniform, has_lora, num_active_loras, valid, invalid)| Step {
-                num_tokens,
-                uniform,
-                has_lora,
-                num_active_loras,
-                valid,
-                invalid,
-            },
-        )
 }
 
 fn lora() -> impl Strategy<Value = (LoraConfig, RefLora)> {
@@ -258,17 +231,9 @@ fn lora() -> impl Strategy<Value = (LoraConfig, RefLora)> {
         Just((LoraConfig::Disabled, RefLora::Off)),
         proptest::collection::btree_set(1u32..9, 0..4).prop_map(|s| {
             let v: Vec<u32> = s.into_iter().collect();
-            (
-                LoraConfig::Specialized {
-                    captured_counts: v.clone(),
-                },
-                RefLora::Special(v),
-            )
+            (LoraConfig::Specialized { captured_counts: v.clone() }, RefLora::Special(v))
         }),
-        (1u32..9).prop_map(|m| (
-            LoraConfig::Unspecialized { max_loras: m },
-            RefLora::Plain(m)
-        )),
+        (1u32..9).prop_map(|m| (LoraConfig::Unspecialized { max_loras: m }, RefLora::Plain(m))),
     ]
 }
 

@@ -10,16 +10,19 @@ use enum_dispatch::enum_dispatch;
 use crate::cpu::{CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuPinned, CpuStream};
 #[cfg(feature = "cuda")]
 use crate::cuda::{CudaDevice, CudaEvent, CudaGraph, CudaKernel, CudaMem, CudaPinned, CudaStream};
-#[cfg(feature = "rocm")]
-use crate::rocm::{RocmDevice, RocmEvent, RocmGraph, RocmKernel, RocmMem, RocmPinned, RocmStream};
 use crate::error::Result;
 use crate::kernel::{KernelEntry, KernelSource, LaunchConfig};
+#[cfg(feature = "rocm")]
+use crate::rocm::{RocmDevice, RocmEvent, RocmGraph, RocmKernel, RocmMem, RocmPinned, RocmStream};
 
 /// A resolved launch argument: what a backend needs to pass it to a kernel.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum LaunchArg {
     /// Device address and the length of the view in elements (CPU bounds checks use it).
-    Ptr { addr: u64, len: usize },
+    Ptr {
+        addr: u64,
+        len: usize,
+    },
     I32(i32),
     U32(u32),
     I64(i64),

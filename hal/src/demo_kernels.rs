@@ -5,10 +5,10 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
+use crate::bf16;
 use crate::cpu::CpuLaunch;
 use crate::error::Result;
 use crate::kernel::{KernelEntry, KernelSource, Param, ScalarKind};
-use crate::bf16;
 
 const CODE: &str = r#"
 HF_KERNEL void hf_axpy(const float* x, float* y, float a, uint32_t n) {
@@ -127,12 +127,22 @@ pub fn source() -> &'static KernelSource {
             entries: vec![
                 KernelEntry {
                     name: "hf_axpy",
-                    params: vec![Param::input::<f32>("x"), Param::inout::<f32>("y"), Param::scalar("a", ScalarKind::F32), n()],
+                    params: vec![
+                        Param::input::<f32>("x"),
+                        Param::inout::<f32>("y"),
+                        Param::scalar("a", ScalarKind::F32),
+                        n(),
+                    ],
                     cpu: axpy,
                 },
                 KernelEntry {
                     name: "hf_scale",
-                    params: vec![Param::input::<f32>("x"), Param::output::<f32>("out"), Param::scalar("s", ScalarKind::F32), n()],
+                    params: vec![
+                        Param::input::<f32>("x"),
+                        Param::output::<f32>("out"),
+                        Param::scalar("s", ScalarKind::F32),
+                        n(),
+                    ],
                     cpu: scale,
                 },
                 KernelEntry {
@@ -142,7 +152,12 @@ pub fn source() -> &'static KernelSource {
                 },
                 KernelEntry {
                     name: "hf_gather",
-                    params: vec![Param::input::<f32>("src"), Param::input::<i32>("idx"), Param::output::<f32>("out"), n()],
+                    params: vec![
+                        Param::input::<f32>("src"),
+                        Param::input::<i32>("idx"),
+                        Param::output::<f32>("out"),
+                        n(),
+                    ],
                     cpu: gather,
                 },
                 KernelEntry { name: "hf_touch", params: vec![Param::inout::<f32>("x"), n()], cpu: touch },

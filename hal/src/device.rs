@@ -50,7 +50,8 @@ impl FromStr for DeviceName {
         let lower = s.trim().to_ascii_lowercase();
         let (head, ordinal) = match lower.split_once(':') {
             Some((h, n)) => {
-                let n = n.parse::<usize>().map_err(|_| unknown("the part after `:` must be a device ordinal such as 0"))?;
+                let n =
+                    n.parse::<usize>().map_err(|_| unknown("the part after `:` must be a device ordinal such as 0"))?;
                 (h.to_string(), n)
             }
             None => (lower.clone(), 0),
@@ -259,7 +260,9 @@ impl Device {
     }
 
     fn alloc_impl<T: Element>(&self, label: &str, len: usize, persistent: bool) -> Result<Buffer<T>> {
-        let bytes = len.checked_mul(T::DTYPE.size()).ok_or_else(|| HalError::OutOfMemory { bytes: usize::MAX, label: label.to_string() })?;
+        let bytes = len
+            .checked_mul(T::DTYPE.size())
+            .ok_or_else(|| HalError::OutOfMemory { bytes: usize::MAX, label: label.to_string() })?;
         let alloc = Allocation::new(self.shared.clone(), bytes, label, persistent)?;
         Ok(Buffer::from_alloc(alloc, len))
     }
@@ -309,7 +312,9 @@ impl Device {
     /// Allocates `len` elements of pinned host memory (zero-filled).
     pub fn alloc_pinned<T: Element>(&self, len: usize) -> Result<PinnedBuffer<T>> {
         self.shared.forbid_during_capture(CaptureOp::Allocate, || "pinned host buffer".into())?;
-        let bytes = len.checked_mul(T::DTYPE.size()).ok_or_else(|| HalError::OutOfMemory { bytes: usize::MAX, label: "pinned".into() })?;
+        let bytes = len
+            .checked_mul(T::DTYPE.size())
+            .ok_or_else(|| HalError::OutOfMemory { bytes: usize::MAX, label: "pinned".into() })?;
         let inner = self.shared.inner.alloc_pinned(bytes)?;
         self.shared.stats.on_pinned_alloc(bytes);
         Ok(PinnedBuffer::from_alloc(Arc::new(PinnedAlloc { bytes, device: self.shared.clone(), inner }), len))

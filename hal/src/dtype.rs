@@ -67,9 +67,7 @@ mod sealed {
 /// A type that can live in device memory: plain old data with a [`DType`] tag.
 ///
 /// Sealed: the set is fixed so that every backend and every kernel signature can name it.
-pub trait Element:
-    bytemuck::Pod + Default + Send + Sync + PartialEq + fmt::Debug + sealed::Sealed + 'static
-{
+pub trait Element: bytemuck::Pod + Default + Send + Sync + PartialEq + fmt::Debug + sealed::Sealed + 'static {
     /// The tag of this type.
     const DTYPE: DType;
 }

@@ -38,8 +38,14 @@ impl std::fmt::Debug for Graph {
 
 impl Graph {
     pub(crate) fn new(device: Arc<DeviceShared>, inner: GraphImpl, log: CaptureLog) -> Self {
-        let host_inputs =
-            log.host_inputs.into_values().map(|a| { let g = a.host_gen.load(Ordering::Acquire); (a, g) }).collect();
+        let host_inputs = log
+            .host_inputs
+            .into_values()
+            .map(|a| {
+                let g = a.host_gen.load(Ordering::Acquire);
+                (a, g)
+            })
+            .collect();
         Graph {
             device,
             label: log.label,
@@ -86,7 +92,10 @@ impl Graph {
     /// host-refreshed input was not rewritten since the last replay.
     pub fn replay(&self, stream: &Stream) -> Result<()> {
         if stream.device.id != self.device.id {
-            return Err(HalError::DeviceMismatch(format!("graph `{}` replayed on a stream of another device", self.label)));
+            return Err(HalError::DeviceMismatch(format!(
+                "graph `{}` replayed on a stream of another device",
+                self.label
+            )));
         }
         stream.replay_guard()?;
         {
@@ -125,7 +134,11 @@ impl Graph {
                 return Err(mismatch(name, "no such input".into(), view.describe()));
             };
             let now = ViewRecord::of(view);
-            if now.alloc_id != rec.alloc_id || now.addr != rec.addr || now.len != rec.len || now.describe != rec.describe {
+            if now.alloc_id != rec.alloc_id
+                || now.addr != rec.addr
+                || now.len != rec.len
+                || now.describe != rec.describe
+            {
                 return Err(mismatch(name, rec.describe.clone(), now.describe));
             }
         }

@@ -294,12 +294,7 @@ pub(crate) fn check_args(kernel: &str, params: &[Param], args: &[Arg]) -> Result
         if !ok {
             return Err(HalError::KernelArgs {
                 kernel: kernel.to_string(),
-                detail: format!(
-                    "argument {i} (`{}`) expects a {}, got a {}",
-                    p.name,
-                    p.kind,
-                    a.describe()
-                ),
+                detail: format!("argument {i} (`{}`) expects a {}, got a {}", p.name, p.kind, a.describe()),
             });
         }
     }

@@ -35,7 +35,10 @@ pub(crate) struct Allocation {
 impl Allocation {
     pub(crate) fn new(device: Arc<DeviceShared>, bytes: usize, label: &str, persistent: bool) -> Result<Arc<Self>> {
         if device.capture_active() {
-            return Err(HalError::IllegalDuringCapture { op: CaptureOp::Allocate, detail: format!("buffer `{label}`") });
+            return Err(HalError::IllegalDuringCapture {
+                op: CaptureOp::Allocate,
+                detail: format!("buffer `{label}`"),
+            });
         }
         let inner = crate::backend::DeviceOps::alloc(&device.inner, bytes, label)?;
         let addr = inner.addr();

@@ -1,32 +1,32 @@
 // holdfast kernel portability header: one kernel source for NVRTC (CUDA) and hipRTC (HIP).
-// Prepended by the HAL to every kernel source; kernels include nothing else.
+// The HAL prepends it to every kernel source. It needs no toolkit headers, so kernels compile
+// with a bare NVRTC or hipRTC (no CUDA/ROCm include directory at run time or in CI).
+//
+// Provides: fixed-width integer types; `hf_bf16` / `hf_f16` 16-bit storage types with
+// round-to-nearest-even f32 conversions (bit-identical to the `half` crate); HF_WARP_SIZE (32 on
+// NVIDIA, 64 on CDNA; the HAL passes -DHF_WARP_SIZE=<device warp size>); warp shuffles and
+// warp-wide sum/max; HF_KERNEL for `extern "C" __global__`.
 #pragma once
-#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__)
+#if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
 #define HF_HIP 1
-#include <hip/hip_bf16.h>
-#include <hip/hip_fp16.h>
-typedef __hip_bfloat16 hf_bf16;
-typedef __half hf_f16;
 #ifndef HF_WARP_SIZE
 #define HF_WARP_SIZE 64
 #endif
-#define HF_FULL_MASK 0xffffffffffffffffull
-#define hf_shfl_xor(v, m) __shfl_xor((v), (m))
-#define hf_shfl(v, l) __shfl((v), (l))
+#define hf_shfl_xor(v, m) __shfl_xor((v), (m), HF_WARP_SIZE)
+#define hf_shfl(v, l) __shfl((v), (l), HF_WARP_SIZE)
 #else
 #define HF_CUDA 1
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-typedef __nv_bfloat16 hf_bf16;
-typedef __half hf_f16;
+#ifndef HF_WARP_SIZE
 #define HF_WARP_SIZE 32
-#define HF_FULL_MASK 0xffffffffu
-#define hf_shfl_xor(v, m) __shfl_xor_sync(HF_FULL_MASK, (v), (m))
-#define hf_shfl(v, l) __shfl_sync(HF_FULL_MASK, (v), (l))
+#endif
+#define hf_shfl_xor(v, m) __shfl_xor_sync(0xffffffffu, (v), (m))
+#define hf_shfl(v, l) __shfl_sync(0xffffffffu, (v), (l))
 #endif
 
 typedef signed char int8_t;
 typedef unsigned char uint8_t;
+typedef short int16_t;
+typedef unsigned short uint16_t;
 typedef int int32_t;
 typedef unsigned int uint32_t;
 typedef long long int64_t;
@@ -34,12 +34,22 @@ typedef unsigned long long uint64_t;
 
 #define HF_KERNEL extern "C" __global__
 
-__device__ __forceinline__ float hf_bf16_to_f32(hf_bf16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ hf_bf16 hf_f32_to_bf16(float x) { return __float2bfloat16(x); }
-__device__ __forceinline__ float hf_f16_to_f32(hf_f16 x) { return __half2float(x); }
-__device__ __forceinline__ hf_f16 hf_f32_to_f16(float x) { return __float2half(x); }
+// bf16 storage: the upper 16 bits of an IEEE f32.
+struct hf_bf16 { uint16_t bits; };
+// f16 storage (IEEE binary16); conversions are added with the first kernel that needs them.
+struct hf_f16 { uint16_t bits; };
 
-// Sum over the lanes of one warp/wavefront (every lane gets the total).
+__device__ __forceinline__ float hf_bf16_to_f32(hf_bf16 x) { return __uint_as_float(((uint32_t)x.bits) << 16); }
+__device__ __forceinline__ hf_bf16 hf_f32_to_bf16(float f) {
+    uint32_t u = __float_as_uint(f);
+    hf_bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) { r.bits = (uint16_t)((u >> 16) | 0x0040u); return r; }  // quiet NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+    r.bits = (uint16_t)(u >> 16);
+    return r;
+}
+
+// Sum over the lanes of one warp/wavefront (every lane gets the total, same order on every lane).
 __device__ __forceinline__ float hf_warp_sum(float v) {
     for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) v += hf_shfl_xor(v, m);
     return v;

@@ -98,7 +98,10 @@ impl Stream {
     /// Launches `kernel` with `args`, checked against its declared signature.
     pub fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         if kernel.device_id != self.device.id {
-            return Err(HalError::DeviceMismatch(format!("kernel `{}` was compiled for another device", kernel.name())));
+            return Err(HalError::DeviceMismatch(format!(
+                "kernel `{}` was compiled for another device",
+                kernel.name()
+            )));
         }
         cfg.validate(kernel.name())?;
         check_args(kernel.name(), kernel.params(), args)?;
@@ -119,7 +122,12 @@ impl Stream {
                 Arg::F32(x) => LaunchArg::F32(*x),
             });
         }
-        self.enqueue(kernel.name(), &uses, |_| {}, || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, &launch_args))
+        self.enqueue(
+            kernel.name(),
+            &uses,
+            |_| {},
+            || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, &launch_args),
+        )
     }
 
     /// Sets every byte of `dst` to `value`.
@@ -137,7 +145,12 @@ impl Stream {
         let (s, d) = (src.raw(), dst.raw());
         self.same_device(&s, "copy")?;
         self.same_device(&d, "copy")?;
-        self.enqueue("copy", &[("src", &s, true), ("dst", &d, false)], |_| {}, || self.inner.copy_d2d(s.addr(), d.addr(), s.bytes()))
+        self.enqueue(
+            "copy",
+            &[("src", &s, true), ("dst", &d, false)],
+            |_| {},
+            || self.inner.copy_d2d(s.addr(), d.addr(), s.bytes()),
+        )
     }
 
     /// Copies from pageable host memory. Illegal during capture (it would bake in a host pointer
@@ -261,13 +274,18 @@ impl Stream {
                 log.retain(&view.alloc);
                 Ok(())
             }
-            CaptureState::Idle => Err(HalError::CaptureTransition { attempted: "bind a graph input on", state: "idle" }),
+            CaptureState::Idle => {
+                Err(HalError::CaptureTransition { attempted: "bind a graph input on", state: "idle" })
+            }
         }
     }
 
     pub(crate) fn replay_guard(&self) -> Result<()> {
         if self.is_capturing() {
-            return Err(HalError::IllegalDuringCapture { op: CaptureOp::Replay, detail: "into a capturing stream".into() });
+            return Err(HalError::IllegalDuringCapture {
+                op: CaptureOp::Replay,
+                detail: "into a capturing stream".into(),
+            });
         }
         Ok(())
     }

@@ -3,8 +3,7 @@
 
 use holdfast_hal::demo_kernels;
 use holdfast_hal::{
-    Buffer, Device, HalError, KernelEntry, KernelSource, LaunchConfig, Param, PinnedBuffer,
-    ScalarKind, Stream,
+    Buffer, Device, HalError, KernelEntry, KernelSource, LaunchConfig, Param, PinnedBuffer, ScalarKind, Stream,
 };
 use proptest::prelude::*;
 
@@ -20,30 +19,17 @@ fn a_read_past_the_declared_view_is_reported_with_kernel_arg_index_and_buffer() 
     // The allocation holds 64 elements but the kernel is handed a 16-element view: index 20 is
     // inside the allocation and still out of bounds.
     let src = dev.alloc_zeroed::<f32>("kv_slots", 64, false).expect("src");
-    let idx = dev
-        .alloc_from_slice("indices", &[0i32, 5, 20, 1], false)
-        .expect("idx");
+    let idx = dev.alloc_from_slice("indices", &[0i32, 5, 20, 1], false).expect("idx");
     let out = dev.alloc_zeroed::<f32>("out", 4, false).expect("out");
     let err = s
         .launch(
             &m.kernel("hf_gather").expect("k"),
             LaunchConfig::for_elements(4, 64),
-            &[
-                (&src.prefix(16).expect("view")).into(),
-                (&idx).into(),
-                (&out).into(),
-                4u32.into(),
-            ],
+            &[(&src.prefix(16).expect("view")).into(), (&idx).into(), (&out).into(), 4u32.into()],
         )
         .expect_err("index 20 is past the view");
     match err {
-        HalError::OutOfBounds {
-            kernel,
-            arg,
-            index,
-            len,
-            buffer,
-        } => {
+        HalError::OutOfBounds { kernel, arg, index, len, buffer } => {
             assert_eq!(
                 (kernel.as_str(), arg.as_str(), index, len, buffer.as_str()),
                 ("hf_gather", "src", 20, 16, "kv_slots")
@@ -59,11 +45,8 @@ fn a_count_larger_than_the_view_is_reported() {
     let s = dev.create_stream().expect("stream");
     let m = dev.compile(demo_kernels::source()).expect("compile");
     let x = dev.alloc_zeroed::<f32>("x", 8, false).expect("x");
-    let err = s.launch(
-        &m.kernel("hf_touch").expect("k"),
-        LaunchConfig::for_elements(9, 64),
-        &[(&x).into(), 9u32.into()],
-    );
+    let err =
+        s.launch(&m.kernel("hf_touch").expect("k"), LaunchConfig::for_elements(9, 64), &[(&x).into(), 9u32.into()]);
     assert!(matches!(err, Err(HalError::OutOfBounds { .. })), "{err:?}");
 }
 
@@ -79,25 +62,15 @@ fn a_write_through_a_read_only_parameter_is_reported() {
         code: "HF_KERNEL void bad(const float* x, uint32_t n) { }",
         entries: vec![KernelEntry {
             name: "bad",
-            params: vec![
-                Param::input::<f32>("x"),
-                Param::scalar("n", ScalarKind::U32),
-            ],
+            params: vec![Param::input::<f32>("x"), Param::scalar("n", ScalarKind::U32)],
             cpu: buggy_writes_its_input,
         }],
     };
     let m = dev.compile(&src).expect("compile");
     let s = dev.create_stream().expect("stream");
     let x = dev.alloc_zeroed::<f32>("x", 4, false).expect("x");
-    let err = s.launch(
-        &m.kernel("bad").expect("k"),
-        LaunchConfig::blocks(1, 32),
-        &[(&x).into(), 4u32.into()],
-    );
-    assert!(
-        matches!(err, Err(HalError::ReadOnlyArgument { ref arg, .. }) if arg == "x"),
-        "{err:?}"
-    );
+    let err = s.launch(&m.kernel("bad").expect("k"), LaunchConfig::blocks(1, 32), &[(&x).into(), 4u32.into()]);
+    assert!(matches!(err, Err(HalError::ReadOnlyArgument { ref arg, .. }) if arg == "x"), "{err:?}");
 }
 
 #[test]
@@ -105,17 +78,9 @@ fn new_allocations_are_poisoned_so_unwritten_outputs_show() {
     let dev = cpu();
     let s = dev.create_stream().expect("stream");
     let f = dev.alloc::<f32>("f", 4).expect("f");
-    assert!(s
-        .copy_to_host_sync(&f.view())
-        .expect("read")
-        .iter()
-        .all(|v| v.is_nan()));
+    assert!(s.copy_to_host_sync(&f.view()).expect("read").iter().all(|v| v.is_nan()));
     let b = dev.alloc::<holdfast_hal::bf16>("b", 4).expect("b");
-    assert!(s
-        .copy_to_host_sync(&b.view())
-        .expect("read")
-        .iter()
-        .all(|v| v.is_nan()));
+    assert!(s.copy_to_host_sync(&b.view()).expect("read").iter().all(|v| v.is_nan()));
     let z = dev.alloc_zeroed::<f32>("z", 4, false).expect("z");
     assert_eq!(s.copy_to_host_sync(&z.view()).expect("read"), vec![0.0; 4]);
 }
@@ -137,16 +102,10 @@ fn bad_device_names_are_clear_errors() {
 
 #[test]
 fn a_gpu_backend_without_its_feature_or_library_is_a_clear_error() {
-    for (name, feature_on) in [
-        ("cuda:0", cfg!(feature = "cuda")),
-        ("rocm:0", cfg!(feature = "rocm")),
-    ] {
+    for (name, feature_on) in [("cuda:0", cfg!(feature = "cuda")), ("rocm:0", cfg!(feature = "rocm"))] {
         match Device::open(name) {
             Err(HalError::BackendNotCompiled { feature, .. }) => {
-                assert!(
-                    !feature_on,
-                    "{name}: feature is on but the backend says it is not compiled"
-                );
+                assert!(!feature_on, "{name}: feature is on but the backend says it is not compiled");
                 assert!(name.starts_with(feature));
             }
             Err(e @ HalError::BackendUnavailable { .. }) => {
@@ -173,44 +132,14 @@ const BUFS: usize = 4;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Memset {
-        dst: usize,
-        off: usize,
-        len: usize,
-        byte: u8,
-    },
-    Copy {
-        src: usize,
-        dst: usize,
-        soff: usize,
-        doff: usize,
-        len: usize,
-    },
-    Axpy {
-        x: usize,
-        y: usize,
-        a: f32,
-    },
-    Scale {
-        x: usize,
-        out: usize,
-        s: f32,
-    },
-    Add {
-        a: usize,
-        b: usize,
-        out: usize,
-    },
-    Touch {
-        x: usize,
-    },
-    Gather {
-        src: usize,
-        out: usize,
-    },
-    Stage {
-        dst: usize,
-    },
+    Memset { dst: usize, off: usize, len: usize, byte: u8 },
+    Copy { src: usize, dst: usize, soff: usize, doff: usize, len: usize },
+    Axpy { x: usize, y: usize, a: f32 },
+    Scale { x: usize, out: usize, s: f32 },
+    Add { a: usize, b: usize, out: usize },
+    Touch { x: usize },
+    Gather { src: usize, out: usize },
+    Stage { dst: usize },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -224,13 +153,7 @@ fn op() -> impl Strategy<Value = Op> {
         }),
         (b.clone(), b.clone(), 0..N, 0..N, 1..N).prop_map(|(src, dst, soff, doff, len)| {
             let len = len.min(N - soff).min(N - doff);
-            Op::Copy {
-                src,
-                dst,
-                soff,
-                doff,
-                len,
-            }
+            Op::Copy { src, dst, soff, doff, len }
         }),
         (b.clone(), b.clone(), -2.0f32..2.0).prop_map(|(x, y, a)| Op::Axpy { x, y, a }),
         (b.clone(), b.clone(), -2.0f32..2.0).prop_map(|(x, out, s)| Op::Scale { x, out, s }),
@@ -249,15 +172,8 @@ struct World {
 
 fn world(dev: &Device, tag: &str, idx: &[i32]) -> World {
     World {
-        bufs: (0..BUFS)
-            .map(|i| {
-                dev.alloc_zeroed(&format!("{tag}{i}"), N, true)
-                    .expect("buf")
-            })
-            .collect(),
-        idx: dev
-            .alloc_from_slice(&format!("{tag}.idx"), idx, true)
-            .expect("idx"),
+        bufs: (0..BUFS).map(|i| dev.alloc_zeroed(&format!("{tag}{i}"), N, true).expect("buf")).collect(),
+        idx: dev.alloc_from_slice(&format!("{tag}.idx"), idx, true).expect("idx"),
         stage: dev.alloc_pinned(N).expect("pinned"),
     }
 }
@@ -270,49 +186,25 @@ fn run(dev: &Device, s: &Stream, w: &World, prog: &[Op]) {
     let b = |i: usize| &w.bufs[i];
     for op in prog {
         match *op {
-            Op::Memset {
-                dst,
-                off,
-                len,
-                byte,
-            } => s.memset(&b(dst).slice(off, len).expect("v"), byte),
-            Op::Copy {
-                src,
-                dst,
-                soff,
-                doff,
-                len,
-            } => {
+            Op::Memset { dst, off, len, byte } => s.memset(&b(dst).slice(off, len).expect("v"), byte),
+            Op::Copy { src, dst, soff, doff, len } => {
                 if src == dst {
                     Ok(()) // overlapping device copies are undefined on GPUs; not generated
                 } else {
-                    s.copy(
-                        &b(src).slice(soff, len).expect("v"),
-                        &b(dst).slice(doff, len).expect("v"),
-                    )
+                    s.copy(&b(src).slice(soff, len).expect("v"), &b(dst).slice(doff, len).expect("v"))
                 }
             }
-            Op::Axpy { x, y, a } => s.launch(
-                &k("hf_axpy"),
-                c,
-                &[b(x).into(), b(y).into(), a.into(), n.into()],
-            ),
-            Op::Scale { x, out, s: f } => s.launch(
-                &k("hf_scale"),
-                c,
-                &[b(x).into(), b(out).into(), f.into(), n.into()],
-            ),
-            Op::Add { a, b: bb, out } => s.launch(
-                &k("hf_add"),
-                c,
-                &[b(a).into(), b(bb).into(), b(out).into(), n.into()],
-            ),
+            Op::Axpy { x, y, a } => s.launch(&k("hf_axpy"), c, &[b(x).into(), b(y).into(), a.into(), n.into()]),
+            Op::Scale { x, out, s: f } => {
+                s.launch(&k("hf_scale"), c, &[b(x).into(), b(out).into(), f.into(), n.into()])
+            }
+            Op::Add { a, b: bb, out } => {
+                s.launch(&k("hf_add"), c, &[b(a).into(), b(bb).into(), b(out).into(), n.into()])
+            }
             Op::Touch { x } => s.launch(&k("hf_touch"), c, &[b(x).into(), n.into()]),
-            Op::Gather { src, out } => s.launch(
-                &k("hf_gather"),
-                c,
-                &[b(src).into(), (&w.idx).into(), b(out).into(), n.into()],
-            ),
+            Op::Gather { src, out } => {
+                s.launch(&k("hf_gather"), c, &[b(src).into(), (&w.idx).into(), b(out).into(), n.into()])
+            }
             Op::Stage { dst } => s.copy_from_pinned(&w.stage, 0, &b(dst).view()),
         }
         .expect("op");
@@ -320,16 +212,7 @@ fn run(dev: &Device, s: &Stream, w: &World, prog: &[Op]) {
 }
 
 fn snapshot(s: &Stream, w: &World) -> Vec<Vec<u32>> {
-    w.bufs
-        .iter()
-        .map(|b| {
-            s.copy_to_host_sync(&b.view())
-                .expect("read")
-                .iter()
-                .map(|v| v.to_bits())
-                .collect()
-        })
-        .collect()
+    w.bufs.iter().map(|b| s.copy_to_host_sync(&b.view()).expect("read").iter().map(|v| v.to_bits()).collect()).collect()
 }
 
 proptest! {

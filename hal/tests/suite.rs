@@ -3,13 +3,10 @@
 //! skip line when no CUDA driver or device is present).
 
 use holdfast_hal::demo_kernels;
-use holdfast_hal::{
-    bf16, Arg, CaptureOp, CaptureStatus, Device, HalError, Kernel, LaunchConfig, Module, Stream,
-};
+use holdfast_hal::{bf16, Arg, CaptureOp, CaptureStatus, Device, HalError, Kernel, LaunchConfig, Module, Stream};
 
 fn module(dev: &Device) -> Module {
-    dev.compile(demo_kernels::source())
-        .expect("demo kernels compile")
+    dev.compile(demo_kernels::source()).expect("demo kernels compile")
 }
 
 fn kernel(dev: &Device, name: &str) -> Kernel {
@@ -31,100 +28,48 @@ fn eager_kernels_match_their_host_definition(dev: &Device) {
     let x = dev.alloc_from_slice("x", &xs, false).expect("x");
     let y = dev.alloc_from_slice("y", &ys, false).expect("y");
     let out = dev.alloc::<f32>("out", n).expect("out");
-    s.launch(
-        &kernel(dev, "hf_axpy"),
-        cfg(n),
-        &[(&x).into(), (&y).into(), 2.0f32.into(), (n as u32).into()],
-    )
-    .expect("axpy");
-    s.launch(
-        &kernel(dev, "hf_scale"),
-        cfg(n),
-        &[
-            (&y).into(),
-            (&out).into(),
-            0.25f32.into(),
-            (n as u32).into(),
-        ],
-    )
-    .expect("scale");
+    s.launch(&kernel(dev, "hf_axpy"), cfg(n), &[(&x).into(), (&y).into(), 2.0f32.into(), (n as u32).into()])
+        .expect("axpy");
+    s.launch(&kernel(dev, "hf_scale"), cfg(n), &[(&y).into(), (&out).into(), 0.25f32.into(), (n as u32).into()])
+        .expect("scale");
     let got = s.copy_to_host_sync(&out.view()).expect("read");
-    let want: Vec<f32> = xs
-        .iter()
-        .zip(&ys)
-        .map(|(x, y)| 0.25 * (2.0 * x + y))
-        .collect();
+    let want: Vec<f32> = xs.iter().zip(&ys).map(|(x, y)| 0.25 * (2.0 * x + y)).collect();
     assert_eq!(got, want);
 
     // bf16 input, reduction across a block.
     let (rows, cols) = (7usize, 300usize);
-    let host: Vec<bf16> = (0..rows * cols)
-        .map(|i| bf16::from_f32(((i % 17) as f32) * 0.125 - 1.0))
-        .collect();
+    let host: Vec<bf16> = (0..rows * cols).map(|i| bf16::from_f32(((i % 17) as f32) * 0.125 - 1.0)).collect();
     let xb = dev.alloc_from_slice("xb", &host, false).expect("xb");
     let sums = dev.alloc::<f32>("sums", rows).expect("sums");
     s.launch(
         &kernel(dev, "hf_row_sum_bf16"),
         LaunchConfig::blocks(rows as u32, 256),
-        &[
-            (&xb).into(),
-            (&sums).into(),
-            (rows as u32).into(),
-            (cols as u32).into(),
-        ],
+        &[(&xb).into(), (&sums).into(), (rows as u32).into(), (cols as u32).into()],
     )
     .expect("row sum");
     let got = s.copy_to_host_sync(&sums.view()).expect("read");
     for (r, g) in got.iter().enumerate() {
-        let want: f64 = host[r * cols..(r + 1) * cols]
-            .iter()
-            .map(|v| f64::from(v.to_f32()))
-            .sum();
-        assert!(
-            (f64::from(*g) - want).abs() < 1e-3,
-            "row {r}: {g} vs {want}"
-        );
+        let want: f64 = host[r * cols..(r + 1) * cols].iter().map(|v| f64::from(v.to_f32())).sum();
+        assert!((f64::from(*g) - want).abs() < 1e-3, "row {r}: {g} vs {want}");
     }
 }
 
 fn memset_copy_and_views_keep_addresses(dev: &Device) {
     let s = dev.create_stream().expect("stream");
-    let a = dev
-        .alloc_from_slice("a", &[1u32, 2, 3, 4, 5, 6], false)
-        .expect("a");
+    let a = dev.alloc_from_slice("a", &[1u32, 2, 3, 4, 5, 6], false).expect("a");
     let b = dev.alloc_zeroed::<u32>("b", 6, false).expect("b");
     let v = a.slice(2, 3).expect("view");
-    assert_eq!(
-        v.addr(),
-        a.addr() + 8,
-        "a view's address is base + offset * size"
-    );
-    assert_eq!(
-        a.prefix(4).expect("prefix").addr(),
-        a.addr(),
-        "prefix views share the base address"
-    );
+    assert_eq!(v.addr(), a.addr() + 8, "a view's address is base + offset * size");
+    assert_eq!(a.prefix(4).expect("prefix").addr(), a.addr(), "prefix views share the base address");
     s.copy(&v, &b.slice(0, 3).expect("dst")).expect("copy");
-    s.memset(&b.slice(3, 3).expect("tail"), 0xFF)
-        .expect("memset");
-    assert_eq!(
-        s.copy_to_host_sync(&b.view()).expect("read"),
-        vec![3, 4, 5, u32::MAX, u32::MAX, u32::MAX]
-    );
+    s.memset(&b.slice(3, 3).expect("tail"), 0xFF).expect("memset");
+    assert_eq!(s.copy_to_host_sync(&b.view()).expect("read"), vec![3, 4, 5, u32::MAX, u32::MAX, u32::MAX]);
     let pinned = dev.alloc_pinned::<u32>(6).expect("pinned");
     pinned.write(0, &[9, 8, 7, 6, 5, 4]).expect("stage");
-    s.copy_from_pinned(&pinned, 1, &b.slice(0, 2).expect("dst"))
-        .expect("h2d");
-    s.copy_from_host(&[42u32], &b.slice(5, 1).expect("last"))
-        .expect("pageable");
-    assert_eq!(
-        s.copy_to_host_sync(&b.view()).expect("read"),
-        vec![8, 7, 5, u32::MAX, u32::MAX, 42]
-    );
-    assert!(matches!(
-        s.copy(&a.view(), &b.slice(0, 2).expect("v")),
-        Err(HalError::LengthMismatch { .. })
-    ));
+    s.copy_from_pinned(&pinned, 1, &b.slice(0, 2).expect("dst")).expect("h2d");
+    s.copy_from_host(&[42u32], &b.slice(5, 1).expect("last")).expect("pageable");
+    assert_eq!(s.copy_to_host_sync(&b.view()).expect("read"), vec![8, 7, 5, u32::MAX, u32::MAX, 42]);
+    assert!(matches!(s.copy(&a.view(), &b.slice(0, 2).expect("v")), Err(HalError::LengthMismatch { .. })));
 }
 
 /// One step: stage `input` through pinned memory, then y = 2·x + y; out = y·0.5 + x.
@@ -138,24 +83,9 @@ fn record_step(
 ) {
     let n = x.len() as u32;
     s.copy_from_pinned(pinned, 0, &x.view()).expect("stage");
-    s.launch(
-        &kernel(dev, "hf_axpy"),
-        cfg(x.len()),
-        &[x.into(), y.into(), 2.0f32.into(), n.into()],
-    )
-    .expect("axpy");
-    s.launch(
-        &kernel(dev, "hf_scale"),
-        cfg(x.len()),
-        &[y.into(), out.into(), 0.5f32.into(), n.into()],
-    )
-    .expect("scale");
-    s.launch(
-        &kernel(dev, "hf_add"),
-        cfg(x.len()),
-        &[out.into(), x.into(), out.into(), n.into()],
-    )
-    .expect("add");
+    s.launch(&kernel(dev, "hf_axpy"), cfg(x.len()), &[x.into(), y.into(), 2.0f32.into(), n.into()]).expect("axpy");
+    s.launch(&kernel(dev, "hf_scale"), cfg(x.len()), &[y.into(), out.into(), 0.5f32.into(), n.into()]).expect("scale");
+    s.launch(&kernel(dev, "hf_add"), cfg(x.len()), &[out.into(), x.into(), out.into(), n.into()]).expect("add");
 }
 
 fn capture_then_replay_with_new_inputs_equals_eager(dev: &Device) {
@@ -165,8 +95,7 @@ fn capture_then_replay_with_new_inputs_equals_eager(dev: &Device) {
         [
             dev.alloc_zeroed(&format!("{tag}.x"), n, true).expect("x"),
             dev.alloc_zeroed(&format!("{tag}.y"), n, true).expect("y"),
-            dev.alloc_zeroed(&format!("{tag}.out"), n, true)
-                .expect("out"),
+            dev.alloc_zeroed(&format!("{tag}.out"), n, true).expect("out"),
         ]
     };
     let [ex, ey, eout] = mk("eager");
@@ -174,10 +103,7 @@ fn capture_then_replay_with_new_inputs_equals_eager(dev: &Device) {
     let pin_e = dev.alloc_pinned::<f32>(n).expect("pinned");
     let pin_g = dev.alloc_pinned::<f32>(n).expect("pinned");
     s.begin_capture("step").expect("begin");
-    assert!(matches!(
-        s.capture_status(),
-        CaptureStatus::Capturing { .. }
-    ));
+    assert!(matches!(s.capture_status(), CaptureStatus::Capturing { .. }));
     record_step(dev, &s, &pin_g, &gx, &gy, &gout);
     let graph = s.end_capture().expect("end");
     assert_eq!(graph.op_count(), 4);
@@ -188,15 +114,9 @@ fn capture_then_replay_with_new_inputs_equals_eager(dev: &Device) {
         pin_g.write(0, &input).expect("stage");
         record_step(dev, &s, &pin_e, &ex, &ey, &eout);
         graph.replay(&s).expect("replay");
-        let (e, g) = (
-            s.copy_to_host_sync(&eout.view()).expect("e"),
-            s.copy_to_host_sync(&gout.view()).expect("g"),
-        );
+        let (e, g) = (s.copy_to_host_sync(&eout.view()).expect("e"), s.copy_to_host_sync(&gout.view()).expect("g"));
         assert_eq!(e, g, "step {step}: replay must equal eager bit for bit");
-        assert_eq!(
-            s.copy_to_host_sync(&ey.view()).expect("ey"),
-            s.copy_to_host_sync(&gy.view()).expect("gy")
-        );
+        assert_eq!(s.copy_to_host_sync(&ey.view()).expect("ey"), s.copy_to_host_sync(&gy.view()).expect("gy"));
     }
     assert_eq!(graph.replays(), 4);
 }
@@ -208,12 +128,7 @@ fn every_capture_rule_is_enforced_and_the_capture_stays_usable(dev: &Device) {
     let scratch = dev.alloc::<f32>("scratch", 4).expect("scratch");
     let ev = dev.create_event().expect("event");
     s.begin_capture("rules").expect("begin");
-    s.launch(
-        &kernel(dev, "hf_touch"),
-        cfg(64),
-        &[(&x).into(), 64u32.into()],
-    )
-    .expect("first launch");
+    s.launch(&kernel(dev, "hf_touch"), cfg(64), &[(&x).into(), 64u32.into()]).expect("first launch");
     let expect = |r: Result<(), HalError>, op: CaptureOp| match r {
         Err(HalError::IllegalDuringCapture { op: got, .. }) if got == op => {}
         other => panic!("expected IllegalDuringCapture({op}), got {other:?}"),
@@ -224,36 +139,20 @@ fn every_capture_rule_is_enforced_and_the_capture_stays_usable(dev: &Device) {
     expect(s.synchronize(), CaptureOp::Synchronize);
     expect(other.synchronize(), CaptureOp::Synchronize);
     expect(dev.synchronize(), CaptureOp::Synchronize);
-    expect(
-        s.copy_to_host_sync(&x.view()).map(drop),
-        CaptureOp::DeviceToHost,
-    );
-    expect(
-        s.copy_from_host(&[1.0f32; 64], &x.view()),
-        CaptureOp::PageableCopy,
-    );
+    expect(s.copy_to_host_sync(&x.view()).map(drop), CaptureOp::DeviceToHost);
+    expect(s.copy_from_host(&[1.0f32; 64], &x.view()), CaptureOp::PageableCopy);
     let mut uncompiled = demo_kernels::source().clone();
     uncompiled.name = "hal_demo_not_yet_compiled";
     expect(dev.compile(&uncompiled).map(drop), CaptureOp::Compile);
-    dev.compile(demo_kernels::source())
-        .expect("a module cache hit is a lookup, legal during capture");
+    dev.compile(demo_kernels::source()).expect("a module cache hit is a lookup, legal during capture");
     expect(ev.record(&s), CaptureOp::Event);
     // The memory of the rejected free stays allocated until the capture ends.
     assert_eq!(dev.stats().deferred_frees, 1);
     // The capture is still usable: record more, end it, and replay.
-    s.launch(
-        &kernel(dev, "hf_touch"),
-        cfg(64),
-        &[(&x).into(), 64u32.into()],
-    )
-    .expect("second launch");
+    s.launch(&kernel(dev, "hf_touch"), cfg(64), &[(&x).into(), 64u32.into()]).expect("second launch");
     let g = s.end_capture().expect("end");
     assert_eq!(g.op_count(), 2, "rejected operations are not recorded");
-    assert_eq!(
-        dev.stats().deferred_frees,
-        0,
-        "deferred frees are released when the capture ends"
-    );
+    assert_eq!(dev.stats().deferred_frees, 0, "deferred frees are released when the capture ends");
     g.replay(&s).expect("replay");
     let got = s.copy_to_host_sync(&x.view()).expect("read");
     assert_eq!(got, seq(64, 2.0), "two recorded touches, each +1");
@@ -263,49 +162,21 @@ fn an_aborted_capture_records_nothing(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let x = dev.alloc_from_slice("x", &[0.0f32; 8], true).expect("x");
     s.begin_capture("doomed").expect("begin");
-    s.launch(
-        &kernel(dev, "hf_touch"),
-        cfg(8),
-        &[(&x).into(), 8u32.into()],
-    )
-    .expect("launch");
+    s.launch(&kernel(dev, "hf_touch"), cfg(8), &[(&x).into(), 8u32.into()]).expect("launch");
     s.abort_capture().expect("abort");
     assert_eq!(s.capture_status(), CaptureStatus::Idle);
     assert!(!dev.is_capturing());
-    assert_eq!(
-        s.copy_to_host_sync(&x.view()).expect("read"),
-        vec![0.0; 8],
-        "captured work never ran"
-    );
-    dev.alloc::<f32>("after", 1)
-        .expect("allocation is legal again");
+    assert_eq!(s.copy_to_host_sync(&x.view()).expect("read"), vec![0.0; 8], "captured work never ran");
+    dev.alloc::<f32>("after", 1).expect("allocation is legal again");
 }
 
 fn a_rejected_transition_changes_nothing(dev: &Device) {
     let s = dev.create_stream().expect("stream");
-    assert!(matches!(
-        s.end_capture(),
-        Err(HalError::CaptureTransition { state: "idle", .. })
-    ));
-    assert!(matches!(
-        s.abort_capture(),
-        Err(HalError::CaptureTransition { state: "idle", .. })
-    ));
+    assert!(matches!(s.end_capture(), Err(HalError::CaptureTransition { state: "idle", .. })));
+    assert!(matches!(s.abort_capture(), Err(HalError::CaptureTransition { state: "idle", .. })));
     s.begin_capture("a").expect("begin");
-    assert!(matches!(
-        s.begin_capture("b"),
-        Err(HalError::CaptureTransition {
-            state: "capturing",
-            ..
-        })
-    ));
-    assert_eq!(
-        s.capture_status(),
-        CaptureStatus::Capturing {
-            label: "a".into(),
-            ops: 0
-        }
-    );
+    assert!(matches!(s.begin_capture("b"), Err(HalError::CaptureTransition { state: "capturing", .. })));
+    assert_eq!(s.capture_status(), CaptureStatus::Capturing { label: "a".into(), ops: 0 });
     let g = s.end_capture().expect("end");
     assert_eq!(g.label(), "a");
     g.replay(&s).expect("an empty graph replays");
@@ -313,36 +184,20 @@ fn a_rejected_transition_changes_nothing(dev: &Device) {
 
 fn a_transient_buffer_in_a_capture_is_rejected(dev: &Device) {
     let s = dev.create_stream().expect("stream");
-    let fresh = dev
-        .alloc_from_slice("fresh_per_step_metadata", &[1.0f32; 16], false)
-        .expect("fresh");
+    let fresh = dev.alloc_from_slice("fresh_per_step_metadata", &[1.0f32; 16], false).expect("fresh");
     let out = dev.alloc_zeroed::<f32>("out", 16, true).expect("out");
     s.begin_capture("bug").expect("begin");
     let err = s
-        .launch(
-            &kernel(dev, "hf_scale"),
-            cfg(16),
-            &[(&fresh).into(), (&out).into(), 1.0f32.into(), 16u32.into()],
-        )
+        .launch(&kernel(dev, "hf_scale"), cfg(16), &[(&fresh).into(), (&out).into(), 1.0f32.into(), 16u32.into()])
         .expect_err("must be rejected");
     match &err {
-        HalError::NotGraphStable {
-            kernel,
-            arg,
-            buffer,
-        } => {
-            assert_eq!(
-                (kernel.as_str(), arg.as_str(), buffer.as_str()),
-                ("hf_scale", "x", "fresh_per_step_metadata")
-            );
+        HalError::NotGraphStable { kernel, arg, buffer } => {
+            assert_eq!((kernel.as_str(), arg.as_str(), buffer.as_str()), ("hf_scale", "x", "fresh_per_step_metadata"));
         }
         other => panic!("wrong error {other:?}"),
     }
     assert!(err.to_string().contains("persistent"), "{err}");
-    assert!(matches!(
-        s.copy(&fresh.view(), &out.view()),
-        Err(HalError::NotGraphStable { .. })
-    ));
+    assert!(matches!(s.copy(&fresh.view(), &out.view()), Err(HalError::NotGraphStable { .. })));
     s.abort_capture().expect("abort");
 }
 
@@ -351,32 +206,18 @@ fn graphs_retain_the_buffers_they_use(dev: &Device) {
     let base = dev.stats().live_allocations;
     let x = dev.alloc_from_slice("x", &[1.0f32; 32], true).expect("x");
     s.begin_capture("retain").expect("begin");
-    s.launch(
-        &kernel(dev, "hf_touch"),
-        cfg(32),
-        &[(&x).into(), 32u32.into()],
-    )
-    .expect("launch");
+    s.launch(&kernel(dev, "hf_touch"), cfg(32), &[(&x).into(), 32u32.into()]).expect("launch");
     let g = s.end_capture().expect("end");
     let view = x.view();
     drop(x);
-    assert_eq!(
-        dev.stats().live_allocations,
-        base + 1,
-        "the graph keeps the buffer alive"
-    );
+    assert_eq!(dev.stats().live_allocations, base + 1, "the graph keeps the buffer alive");
     assert_eq!(g.retained_buffers(), 1);
-    g.replay(&s)
-        .expect("replay after the buffer handle is gone");
+    g.replay(&s).expect("replay after the buffer handle is gone");
     assert_eq!(s.copy_to_host_sync(&view).expect("read"), vec![2.0; 32]);
     drop(view);
     assert_eq!(dev.stats().live_allocations, base + 1);
     drop(g);
-    assert_eq!(
-        dev.stats().live_allocations,
-        base,
-        "dropping the graph frees it"
-    );
+    assert_eq!(dev.stats().live_allocations, base, "dropping the graph frees it");
 }
 
 fn a_stale_host_refreshed_input_is_caught(dev: &Device) {
@@ -385,15 +226,10 @@ fn a_stale_host_refreshed_input_is_caught(dev: &Device) {
     ids.set_host_refreshed(true);
     let out = dev.alloc_zeroed::<f32>("out", 8, true).expect("out");
     s.begin_capture("decode").expect("begin");
-    s.launch(
-        &kernel(dev, "hf_scale"),
-        cfg(8),
-        &[(&ids).into(), (&out).into(), 3.0f32.into(), 8u32.into()],
-    )
-    .expect("launch");
+    s.launch(&kernel(dev, "hf_scale"), cfg(8), &[(&ids).into(), (&out).into(), 3.0f32.into(), 8u32.into()])
+        .expect("launch");
     let g = s.end_capture().expect("end");
-    s.copy_from_host(&[1.0f32; 8], &ids.view())
-        .expect("step 1 upload");
+    s.copy_from_host(&[1.0f32; 8], &ids.view()).expect("step 1 upload");
     g.replay(&s).expect("fresh input replays");
     match g.replay(&s) {
         Err(HalError::StaleHostInput { graph, buffer }) => {
@@ -403,55 +239,28 @@ fn a_stale_host_refreshed_input_is_caught(dev: &Device) {
     }
     let pinned = dev.alloc_pinned::<f32>(8).expect("pinned");
     pinned.write(0, &[2.0; 8]).expect("stage");
-    s.copy_from_pinned(&pinned, 0, &ids.view())
-        .expect("step 2 upload");
+    s.copy_from_pinned(&pinned, 0, &ids.view()).expect("step 2 upload");
     g.replay(&s).expect("a pinned upload refreshes too");
-    assert_eq!(
-        s.copy_to_host_sync(&out.view()).expect("read"),
-        vec![6.0; 8]
-    );
+    assert_eq!(s.copy_to_host_sync(&out.view()).expect("read"), vec![6.0; 8]);
 }
 
 fn replay_with_different_input_views_is_caught(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let x = dev.alloc_zeroed::<f32>("positions", 64, true).expect("x");
-    let other = dev
-        .alloc_zeroed::<f32>("positions_copy", 64, true)
-        .expect("other");
+    let other = dev.alloc_zeroed::<f32>("positions_copy", 64, true).expect("other");
     s.begin_capture("g32").expect("begin");
     let v = x.prefix(32).expect("prefix");
     s.bind_input("positions", &v).expect("bind");
-    s.launch(
-        &kernel(dev, "hf_touch"),
-        cfg(32),
-        &[(&v).into(), 32u32.into()],
-    )
-    .expect("launch");
+    s.launch(&kernel(dev, "hf_touch"), cfg(32), &[(&v).into(), 32u32.into()]).expect("launch");
     let g = s.end_capture().expect("end");
-    g.replay_with_inputs(&s, &[("positions", x.prefix(32).expect("p").raw())])
-        .expect("same view");
-    let err = g
-        .replay_with_inputs(&s, &[("positions", x.prefix(31).expect("p").raw())])
-        .expect_err("data-dependent length");
-    assert!(
-        matches!(&err, HalError::InputViewMismatch { input, .. } if input == "positions"),
-        "{err}"
-    );
-    let err = g
-        .replay_with_inputs(&s, &[("positions", other.prefix(32).expect("p").raw())])
-        .expect_err("fresh buffer");
+    g.replay_with_inputs(&s, &[("positions", x.prefix(32).expect("p").raw())]).expect("same view");
+    let err =
+        g.replay_with_inputs(&s, &[("positions", x.prefix(31).expect("p").raw())]).expect_err("data-dependent length");
+    assert!(matches!(&err, HalError::InputViewMismatch { input, .. } if input == "positions"), "{err}");
+    let err = g.replay_with_inputs(&s, &[("positions", other.prefix(32).expect("p").raw())]).expect_err("fresh buffer");
     assert!(matches!(err, HalError::InputViewMismatch { .. }));
-    assert!(
-        matches!(
-            g.replay_with_inputs(&s, &[]),
-            Err(HalError::InputViewMismatch { .. })
-        ),
-        "missing input"
-    );
-    assert_eq!(
-        s.copy_to_host_sync(&x.view()).expect("read")[..33],
-        [[1.0f32; 32].as_slice(), &[0.0]].concat()[..]
-    );
+    assert!(matches!(g.replay_with_inputs(&s, &[]), Err(HalError::InputViewMismatch { .. })), "missing input");
+    assert_eq!(s.copy_to_host_sync(&x.view()).expect("read")[..33], [[1.0f32; 32].as_slice(), &[0.0]].concat()[..]);
 }
 
 fn bad_arguments_are_precise_errors(dev: &Device) {
@@ -459,119 +268,48 @@ fn bad_arguments_are_precise_errors(dev: &Device) {
     let k = kernel(dev, "hf_scale");
     let x = dev.alloc_zeroed::<f32>("x", 8, false).expect("x");
     let xi = dev.alloc_zeroed::<i32>("xi", 8, false).expect("xi");
-    let err = s
-        .launch(&k, cfg(8), &[(&x).into(), (&x).into()])
-        .expect_err("count");
-    assert!(
-        err.to_string().contains("expects 4 arguments, got 2"),
-        "{err}"
-    );
-    let err = s
-        .launch(
-            &k,
-            cfg(8),
-            &[(&xi).into(), (&x).into(), 1.0f32.into(), 8u32.into()],
-        )
-        .expect_err("dtype");
+    let err = s.launch(&k, cfg(8), &[(&x).into(), (&x).into()]).expect_err("count");
+    assert!(err.to_string().contains("expects 4 arguments, got 2"), "{err}");
+    let err = s.launch(&k, cfg(8), &[(&xi).into(), (&x).into(), 1.0f32.into(), 8u32.into()]).expect_err("dtype");
     assert!(err.to_string().contains("argument 0 (`x`)"), "{err}");
+    let err = s.launch(&k, cfg(8), &[(&x).into(), (&x).into(), 1i32.into(), 8u32.into()]).expect_err("scalar kind");
+    assert!(err.to_string().contains("argument 2 (`s`) expects a f32 scalar"), "{err}");
     let err = s
-        .launch(
-            &k,
-            cfg(8),
-            &[(&x).into(), (&x).into(), 1i32.into(), 8u32.into()],
-        )
-        .expect_err("scalar kind");
-    assert!(
-        err.to_string()
-            .contains("argument 2 (`s`) expects a f32 scalar"),
-        "{err}"
-    );
-    let err = s
-        .launch(
-            &k,
-            LaunchConfig::blocks(1, 2048),
-            &[(&x).into(), (&x).into(), 1.0f32.into(), 8u32.into()],
-        )
+        .launch(&k, LaunchConfig::blocks(1, 2048), &[(&x).into(), (&x).into(), 1.0f32.into(), 8u32.into()])
         .expect_err("block");
     assert!(matches!(err, HalError::InvalidLaunch { .. }));
-    assert!(matches!(
-        module(dev).kernel("nope"),
-        Err(HalError::UnknownKernel { .. })
-    ));
-    assert!(matches!(
-        x.slice(4, 5),
-        Err(HalError::InvalidView {
-            offset: 4,
-            len: 5,
-            capacity: 8,
-            ..
-        })
-    ));
-    assert!(matches!(
-        x.slice(usize::MAX, 2),
-        Err(HalError::InvalidView { .. })
-    ));
+    assert!(matches!(module(dev).kernel("nope"), Err(HalError::UnknownKernel { .. })));
+    assert!(matches!(x.slice(4, 5), Err(HalError::InvalidView { offset: 4, len: 5, capacity: 8, .. })));
+    assert!(matches!(x.slice(usize::MAX, 2), Err(HalError::InvalidView { .. })));
     let _: Arg = 1u64.into();
 }
 
 fn zero_length_buffers_are_valid_and_empty(dev: &Device) {
     let s = dev.create_stream().expect("stream");
-    let a = dev
-        .alloc::<f32>("empty_a", 0)
-        .expect("zero-size allocation succeeds");
-    let b = dev
-        .alloc::<f32>("empty_b", 0)
-        .expect("zero-size allocation succeeds");
+    let a = dev.alloc::<f32>("empty_a", 0).expect("zero-size allocation succeeds");
+    let b = dev.alloc::<f32>("empty_b", 0).expect("zero-size allocation succeeds");
     assert!(a.is_empty());
-    assert_ne!(
-        a.addr(),
-        b.addr(),
-        "each zero-size buffer has its own address"
-    );
-    assert_eq!(
-        s.copy_to_host_sync(&a.view()).expect("read"),
-        Vec::<f32>::new()
-    );
-    s.launch(
-        &kernel(dev, "hf_touch"),
-        cfg(0),
-        &[(&a).into(), 0u32.into()],
-    )
-    .expect("a zero-element launch is fine");
+    assert_ne!(a.addr(), b.addr(), "each zero-size buffer has its own address");
+    assert_eq!(s.copy_to_host_sync(&a.view()).expect("read"), Vec::<f32>::new());
+    s.launch(&kernel(dev, "hf_touch"), cfg(0), &[(&a).into(), 0u32.into()]).expect("a zero-element launch is fine");
     s.copy(&a.view(), &b.view()).expect("empty copy");
 }
 
 fn events_time_device_work(dev: &Device) {
     let s = dev.create_stream().expect("stream");
-    let (e0, e1) = (
-        dev.create_event().expect("e0"),
-        dev.create_event().expect("e1"),
-    );
-    assert!(matches!(
-        e0.elapsed_ms(&e1),
-        Err(HalError::EventNotRecorded)
-    ));
+    let (e0, e1) = (dev.create_event().expect("e0"), dev.create_event().expect("e1"));
+    assert!(matches!(e0.elapsed_ms(&e1), Err(HalError::EventNotRecorded)));
     let x = dev.alloc_zeroed::<f32>("x", 1 << 16, false).expect("x");
     e0.record(&s).expect("record");
     for _ in 0..10 {
-        s.launch(
-            &kernel(dev, "hf_touch"),
-            cfg(1 << 16),
-            &[(&x).into(), (1u32 << 16).into()],
-        )
-        .expect("launch");
+        s.launch(&kernel(dev, "hf_touch"), cfg(1 << 16), &[(&x).into(), (1u32 << 16).into()]).expect("launch");
     }
     e1.record(&s).expect("record");
     let other = dev.create_stream().expect("stream");
     other.wait_event(&e1).expect("cross-stream wait");
     let ms = e0.elapsed_ms(&e1).expect("elapsed");
     assert!(ms >= 0.0 && ms.is_finite(), "{ms}");
-    assert_eq!(
-        other
-            .copy_to_host_sync(&x.slice(0, 2).expect("v"))
-            .expect("read"),
-        vec![10.0, 10.0]
-    );
+    assert_eq!(other.copy_to_host_sync(&x.slice(0, 2).expect("v")).expect("read"), vec![10.0, 10.0]);
 }
 
 fn modules_are_compiled_once_per_device(dev: &Device) {
@@ -583,16 +321,9 @@ fn modules_are_compiled_once_per_device(dev: &Device) {
     let other = Device::cpu().expect("cpu");
     let s = other.create_stream().expect("stream");
     let x = other.alloc_zeroed::<f32>("x", 4, false).expect("x");
-    let err = s.launch(
-        &m1.kernel("hf_touch").expect("k"),
-        cfg(4),
-        &[(&x).into(), 4u32.into()],
-    );
+    let err = s.launch(&m1.kernel("hf_touch").expect("k"), cfg(4), &[(&x).into(), 4u32.into()]);
     if other.id() != dev.id() {
-        assert!(
-            matches!(err, Err(HalError::DeviceMismatch(_))),
-            "kernels are per device: {err:?}"
-        );
+        assert!(matches!(err, Err(HalError::DeviceMismatch(_))), "kernels are per device: {err:?}");
     }
 }
 

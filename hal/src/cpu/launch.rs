@@ -102,7 +102,9 @@ impl CpuLaunch<'_> {
     /// Pointer argument `i`, as elements of `T` (must match the declared element type).
     pub fn ptr<T: Element>(&self, i: usize) -> Result<CpuPtr<'_, T>> {
         match (self.args.get(i), self.entry.params.get(i).map(|p| p.kind)) {
-            (Some(CpuArg::Ptr { base, len, label, access }), Some(ParamKind::Ptr { dtype, .. })) if dtype == T::DTYPE => {
+            (Some(CpuArg::Ptr { base, len, label, access }), Some(ParamKind::Ptr { dtype, .. }))
+                if dtype == T::DTYPE =>
+            {
                 Ok(CpuPtr {
                     base: base.cast::<T>(),
                     len: *len,
@@ -237,7 +239,13 @@ impl<T: Element> CpuPtr<'_, T> {
 }
 
 /// Resolves, locks and runs one CPU kernel launch.
-pub(super) fn execute(core: &CpuCore, f: CpuKernelFn, entry: &KernelEntry, cfg: &LaunchConfig, args: &[LaunchArg]) -> Result<()> {
+pub(super) fn execute(
+    core: &CpuCore,
+    f: CpuKernelFn,
+    entry: &KernelEntry,
+    cfg: &LaunchConfig,
+    args: &[LaunchArg],
+) -> Result<()> {
     // Resolve every pointer to (allocation, byte offset).
     let mut resolved: Vec<Option<(Arc<CpuAllocation>, usize)>> = Vec::with_capacity(args.len());
     for (p, a) in entry.params.iter().zip(args) {
@@ -263,7 +271,9 @@ pub(super) fn execute(core: &CpuCore, f: CpuKernelFn, entry: &KernelEntry, cfg: 
     for ((p, a), r) in entry.params.iter().zip(args).zip(&resolved) {
         cpu_args.push(match (p.kind, a, r) {
             (ParamKind::Ptr { access, .. }, LaunchArg::Ptr { len, .. }, Some((alloc, off))) => {
-                let idx = bases.binary_search_by_key(&alloc.base, |(b, _)| *b).map_err(|_| bad_addr(entry.name, p.name, alloc.base, 0, "lost its lock".into()))?;
+                let idx = bases
+                    .binary_search_by_key(&alloc.base, |(b, _)| *b)
+                    .map_err(|_| bad_addr(entry.name, p.name, alloc.base, 0, "lost its lock".into()))?;
                 // SAFETY: `off + len * size` was checked to lie inside the allocation by `resolve`.
                 let base = unsafe { bases[idx].1.add(*off) };
                 CpuArg::Ptr { base, len: *len, label: alloc.label.clone(), access }

@@ -68,11 +68,7 @@ impl CpuCore {
         };
         let end = a.base + a.bytes as u64;
         if addr > end {
-            return Err(format!(
-                "not inside any live allocation ({} bytes past the end of `{}`)",
-                addr - end,
-                a.label
-            ));
+            return Err(format!("not inside any live allocation ({} bytes past the end of `{}`)", addr - end, a.label));
         }
         if addr + bytes as u64 > end {
             return Err(format!(
@@ -125,13 +121,19 @@ impl DeviceOps for CpuDevice {
         data.try_reserve_exact(words).map_err(|_| HalError::OutOfMemory { bytes, label: label.to_string() })?;
         data.resize(words, u64::from_ne_bytes([POISON; 8]));
         let base = self.core.reserve(bytes);
-        let a = Arc::new(CpuAllocation { base, bytes, label: label.to_string(), data: Mutex::new(data.into_boxed_slice()) });
+        let a = Arc::new(CpuAllocation {
+            base,
+            bytes,
+            label: label.to_string(),
+            data: Mutex::new(data.into_boxed_slice()),
+        });
         self.core.table.write().unwrap_or_else(|p| p.into_inner()).insert(base, a);
         Ok(MemImpl::Cpu(CpuMem { core: self.core.clone(), base }))
     }
 
     fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()> {
-        let (a, off) = self.core.resolve(addr, data.len()).map_err(|why| bad_addr("upload", "dst", addr, data.len(), why))?;
+        let (a, off) =
+            self.core.resolve(addr, data.len()).map_err(|why| bad_addr("upload", "dst", addr, data.len(), why))?;
         let mut d = lock(&a.data);
         bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + data.len()].copy_from_slice(data);
         Ok(())
@@ -214,14 +216,16 @@ impl CpuOp {
         match self {
             CpuOp::Launch { f, entry, cfg, args } => launch::execute(core, *f, entry, cfg, args),
             CpuOp::Memset { addr, bytes, value } => {
-                let (a, off) = core.resolve(*addr, *bytes).map_err(|why| bad_addr("memset", "dst", *addr, *bytes, why))?;
+                let (a, off) =
+                    core.resolve(*addr, *bytes).map_err(|why| bad_addr("memset", "dst", *addr, *bytes, why))?;
                 let mut d = lock(&a.data);
                 bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + bytes].fill(*value);
                 Ok(())
             }
             CpuOp::Copy { src, dst, bytes } => {
                 let (sa, so) = core.resolve(*src, *bytes).map_err(|why| bad_addr("copy", "src", *src, *bytes, why))?;
-                let (da, doff) = core.resolve(*dst, *bytes).map_err(|why| bad_addr("copy", "dst", *dst, *bytes, why))?;
+                let (da, doff) =
+                    core.resolve(*dst, *bytes).map_err(|why| bad_addr("copy", "dst", *dst, *bytes, why))?;
                 if Arc::ptr_eq(&sa, &da) {
                     let mut d = lock(&da.data);
                     bytemuck::cast_slice_mut::<u64, u8>(&mut d).copy_within(so..so + bytes, doff);
@@ -234,7 +238,8 @@ impl CpuOp {
                 Ok(())
             }
             CpuOp::CopyPinned { src, offset, dst, bytes } => {
-                let (da, doff) = core.resolve(*dst, *bytes).map_err(|why| bad_addr("copy_from_pinned", "dst", *dst, *bytes, why))?;
+                let (da, doff) =
+                    core.resolve(*dst, *bytes).map_err(|why| bad_addr("copy_from_pinned", "dst", *dst, *bytes, why))?;
                 let mut d = lock(&da.data);
                 src.read(*offset, &mut bytemuck::cast_slice_mut::<u64, u8>(&mut d)[doff..doff + bytes]);
                 Ok(())
@@ -278,7 +283,8 @@ impl StreamOps for CpuStream {
     }
 
     fn copy_h2d(&self, src: &[u8], dst: u64) -> Result<()> {
-        let (a, off) = self.core.resolve(dst, src.len()).map_err(|why| bad_addr("copy_from_host", "dst", dst, src.len(), why))?;
+        let (a, off) =
+            self.core.resolve(dst, src.len()).map_err(|why| bad_addr("copy_from_host", "dst", dst, src.len(), why))?;
         let mut d = lock(&a.data);
         bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + src.len()].copy_from_slice(src);
         Ok(())
@@ -294,7 +300,10 @@ impl StreamOps for CpuStream {
     }
 
     fn copy_d2h_sync(&self, src: u64, dst: &mut [u8]) -> Result<()> {
-        let (a, off) = self.core.resolve(src, dst.len()).map_err(|why| bad_addr("copy_to_host_sync", "src", src, dst.len(), why))?;
+        let (a, off) = self
+            .core
+            .resolve(src, dst.len())
+            .map_err(|why| bad_addr("copy_to_host_sync", "src", src, dst.len(), why))?;
         let d = lock(&a.data);
         dst.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&d)[off..off + dst.len()]);
         Ok(())

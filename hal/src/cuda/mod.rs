@@ -1,0 +1,551 @@
+//! The CUDA backend: the driver API through cudarc (loaded at run time) and NVRTC.
+//!
+//! Strategy per concept:
+//! - **Context**: the device's primary context, with cudarc's per-buffer event tracking turned off
+//!   (it would insert waits on events recorded outside a capture); the HAL orders streams itself.
+//!   Every call binds the context to the calling thread first.
+//! - **Memory**: `cuMemAlloc`/`cuMemFree` (never stream-ordered allocation, which would create
+//!   memory nodes inside a capture). Zero-byte requests allocate 256 bytes so each buffer still has
+//!   a unique address. Frees that arrive during a capture are deferred by the front end.
+//! - **Streams**: non-blocking streams created by the HAL; the legacy default stream is never
+//!   used (it cannot be captured).
+//! - **Modules**: NVRTC compiles each source once per device for `sm_XY` to CUBIN (PTX is kept
+//!   and loaded if the CUBIN does not load); the front end caches modules per device.
+//! - **Capture**: `cuStreamBeginCapture` (thread-local mode; the front end enforces the capture
+//!   rules for every thread), `cuStreamEndCapture`, a scan that rejects graphs containing memory
+//!   alloc/free nodes, `cuGraphInstantiateWithFlags`, `cuGraphUpload`; replay is `cuGraphLaunch`.
+
+mod compile;
+mod loader;
+
+pub use compile::{compile, nvrtc_version};
+
+use std::ffi::{c_void, CString};
+use std::sync::Arc;
+
+use cudarc::driver::{result, sys, CudaContext, CudaStream as CuStream, DriverError};
+
+use crate::backend::{
+    wrong_backend, DeviceImpl, DeviceOps, EventImpl, EventOps, GraphImpl, GraphOps, KernelImpl, LaunchArg, MemImpl,
+    MemOps, PinnedImpl, PinnedOps, StreamImpl, StreamOps,
+};
+use crate::device::{BackendKind, DeviceInfo};
+use crate::error::{CaptureOp, HalError, Result};
+use crate::kernel::{KernelEntry, KernelSource, LaunchConfig};
+
+fn drv(call: &'static str) -> impl Fn(DriverError) -> HalError {
+    move |e| match e.0 {
+        sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY => HalError::OutOfMemory { bytes: 0, label: call.to_string() },
+        sys::cudaError_enum::CUDA_ERROR_ILLEGAL_ADDRESS
+        | sys::cudaError_enum::CUDA_ERROR_LAUNCH_FAILED
+        | sys::cudaError_enum::CUDA_ERROR_ECC_UNCORRECTABLE => HalError::DeviceLost(format!("{call}: {e}")),
+        code => HalError::Driver { call, code: code as i64, message: e.to_string() },
+    }
+}
+
+/// Why the CUDA backend is unusable on this machine, or `None` if `libcuda` and `libnvrtc` load.
+pub fn unavailable_reason() -> Option<String> {
+    loader::unavailable_reason()
+}
+
+/// One CUDA device (its primary context).
+pub(crate) struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    arch: String,
+    /// A stream for synchronous uploads.
+    upload: Arc<CuStream>,
+}
+
+impl CudaDevice {
+    pub(crate) fn open(ordinal: usize) -> Result<(DeviceImpl, DeviceInfo)> {
+        if let Some(reason) = loader::unavailable_reason() {
+            return Err(HalError::BackendUnavailable { backend: "cuda", reason });
+        }
+        let count = CudaContext::device_count().map_err(drv("cuDeviceGetCount"))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(HalError::UnknownDevice {
+                name: format!("cuda:{ordinal}"),
+                reason: format!("this machine has {count} CUDA device(s)"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(drv("cuDevicePrimaryCtxRetain"))?;
+        // SAFETY: no buffer has been allocated through this context yet; the HAL orders streams.
+        unsafe { ctx.disable_event_tracking() };
+        let (major, minor) = ctx.compute_capability().map_err(drv("cuDeviceGetAttribute"))?;
+        let arch = format!("sm_{major}{minor}");
+        let sms = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("cuDeviceGetAttribute"))?;
+        let info = DeviceInfo {
+            name: ctx.name().map_err(drv("cuDeviceGetName"))?,
+            backend: BackendKind::Cuda,
+            ordinal,
+            total_memory: ctx.total_mem().map_err(drv("cuDeviceTotalMem"))? as u64,
+            arch: arch.clone(),
+            compute_units: sms.max(0) as u32,
+            warp_size: 32,
+        };
+        let upload = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        Ok((DeviceImpl::Cuda(CudaDevice { ctx, arch, upload }), info))
+    }
+
+    fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))
+    }
+}
+
+impl DeviceOps for CudaDevice {
+    fn alloc(&self, bytes: usize, label: &str) -> Result<MemImpl> {
+        self.bind()?;
+        // SAFETY: the context is current; the pointer is owned by the returned handle.
+        let ptr = unsafe { result::malloc_sync(bytes.max(256)) }.map_err(|e| match drv("cuMemAlloc")(e) {
+            HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
+            other => other,
+        })?;
+        Ok(MemImpl::Cuda(CudaMem { ctx: self.ctx.clone(), ptr }))
+    }
+
+    fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()> {
+        self.bind()?;
+        // SAFETY: `addr` is a live allocation of at least `data.len()` bytes (checked by the front
+        // end); the stream is synchronised before `data` can go away.
+        unsafe { result::memcpy_htod_async(addr, data, self.upload.cu_stream()) }.map_err(drv("cuMemcpyHtoDAsync"))?;
+        self.upload.synchronize().map_err(drv("cuStreamSynchronize"))
+    }
+
+    fn alloc_pinned(&self, bytes: usize) -> Result<PinnedImpl> {
+        self.bind()?;
+        // SAFETY: plain page-locked allocation (not write-combined: the host reads it too).
+        let ptr = unsafe { result::malloc_host(bytes.max(8), 0) }.map_err(drv("cuMemHostAlloc"))?;
+        // SAFETY: fresh allocation of at least `bytes` bytes.
+        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0, bytes) };
+        Ok(PinnedImpl::Cuda(CudaPinned(Arc::new(PinnedHost { ctx: self.ctx.clone(), ptr: ptr.cast(), bytes }))))
+    }
+
+    fn create_stream(&self) -> Result<StreamImpl> {
+        let stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+        Ok(StreamImpl::Cuda(CudaStream { ctx: self.ctx.clone(), stream }))
+    }
+
+    fn create_event(&self) -> Result<EventImpl> {
+        self.bind()?;
+        let ev = result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(drv("cuEventCreate"))?;
+        Ok(EventImpl::Cuda(CudaEvent { ctx: self.ctx.clone(), ev }))
+    }
+
+    fn compile(&self, src: &KernelSource) -> Result<Vec<KernelImpl>> {
+        let compiled = compile::compile_inner(src, &self.arch, 32)?;
+        self.bind()?;
+        let module = load_module(&compiled.cubin).or_else(|cubin_err| {
+            load_module(&compiled.ptx).map_err(|ptx_err| HalError::Compile {
+                source_name: src.name.to_string(),
+                arch: self.arch.clone(),
+                log: format!("the CUBIN did not load ({cubin_err}) and neither did the PTX ({ptx_err})"),
+            })
+        })?;
+        let module = Arc::new(ModuleHandle { ctx: self.ctx.clone(), module });
+        src.entries
+            .iter()
+            .map(|e| {
+                let name = CString::new(e.name).map_err(|_| HalError::UnknownKernel {
+                    module: src.name.to_string(),
+                    name: e.name.to_string(),
+                    available: String::new(),
+                })?;
+                // SAFETY: the module is loaded in the current context.
+                let f =
+                    unsafe { result::module::get_function(module.module, name) }.map_err(drv("cuModuleGetFunction"))?;
+                Ok(KernelImpl::Cuda(CudaKernel { _module: module.clone(), f: FnHandle(f) }))
+            })
+            .collect()
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.ctx.synchronize().map_err(drv("cuCtxSynchronize"))
+    }
+}
+
+fn load_module(image: &[u8]) -> std::result::Result<sys::CUmodule, DriverError> {
+    if image.is_empty() {
+        return Err(DriverError(sys::cudaError_enum::CUDA_ERROR_INVALID_IMAGE));
+    }
+    // SAFETY: `image` is a complete CUBIN or NUL-terminated PTX produced by NVRTC.
+    unsafe { result::module::load_data(image.as_ptr().cast()) }
+}
+
+struct ModuleHandle {
+    ctx: Arc<CudaContext>,
+    module: sys::CUmodule,
+}
+
+// SAFETY: a CUmodule handle may be used from any thread once the context is current there.
+unsafe impl Send for ModuleHandle {}
+// SAFETY: as above; the handle itself is never mutated.
+unsafe impl Sync for ModuleHandle {}
+
+impl Drop for ModuleHandle {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: loaded once, unloaded once, after every kernel handle that used it is gone.
+            let _ = unsafe { result::module::unload(self.module) };
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct FnHandle(sys::CUfunction);
+// SAFETY: CUfunction handles are immutable and valid on any thread with the context current.
+unsafe impl Send for FnHandle {}
+// SAFETY: as above.
+unsafe impl Sync for FnHandle {}
+
+/// A kernel entry point (keeps its module loaded).
+#[derive(Clone)]
+pub(crate) struct CudaKernel {
+    _module: Arc<ModuleHandle>,
+    f: FnHandle,
+}
+
+impl std::fmt::Debug for CudaKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaKernel({:?})", self.f.0)
+    }
+}
+
+/// A device allocation.
+pub(crate) struct CudaMem {
+    ctx: Arc<CudaContext>,
+    ptr: sys::CUdeviceptr,
+}
+
+impl MemOps for CudaMem {
+    fn addr(&self) -> u64 {
+        self.ptr
+    }
+}
+
+impl Drop for CudaMem {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `cuMemAlloc`, freed once; graphs that use it hold it alive.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+struct PinnedHost {
+    ctx: Arc<CudaContext>,
+    ptr: *mut u8,
+    bytes: usize,
+}
+
+// SAFETY: page-locked host memory is plain memory, usable from any thread.
+unsafe impl Send for PinnedHost {}
+// SAFETY: host-side accesses go through `write`/`read` with bounds checked by the front end.
+unsafe impl Sync for PinnedHost {}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: allocated by `cuMemHostAlloc`, freed once, after every graph copying from it.
+            let _ = unsafe { result::free_host(self.ptr.cast()) };
+        }
+    }
+}
+
+/// Page-locked host memory.
+#[derive(Clone)]
+pub(crate) struct CudaPinned(Arc<PinnedHost>);
+
+impl PinnedOps for CudaPinned {
+    fn write(&self, offset: usize, data: &[u8]) {
+        assert!(offset + data.len() <= self.0.bytes, "pinned write out of range (front end checks this)");
+        // SAFETY: in range (asserted); `data` is ordinary host memory, not overlapping.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.0.ptr.add(offset), data.len()) };
+    }
+    fn read(&self, offset: usize, out: &mut [u8]) {
+        assert!(offset + out.len() <= self.0.bytes, "pinned read out of range (front end checks this)");
+        // SAFETY: in range (asserted).
+        unsafe { std::ptr::copy_nonoverlapping(self.0.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+    }
+}
+
+/// A non-blocking stream.
+pub(crate) struct CudaStream {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CuStream>,
+}
+
+impl CudaStream {
+    fn raw(&self) -> Result<sys::CUstream> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        Ok(self.stream.cu_stream())
+    }
+}
+
+impl StreamOps for CudaStream {
+    fn launch(&self, kernel: &KernelImpl, _entry: &KernelEntry, cfg: &LaunchConfig, args: &[LaunchArg]) -> Result<()> {
+        #[allow(unreachable_patterns)]
+        let f = match kernel {
+            KernelImpl::Cuda(k) => k.f.0,
+            _ => return Err(wrong_backend("kernel")),
+        };
+        let mut values: Vec<u64> = Vec::with_capacity(args.len());
+        for a in args {
+            values.push(match *a {
+                LaunchArg::Ptr { addr, .. } => addr,
+                LaunchArg::I32(x) => u64::from(x as u32),
+                LaunchArg::U32(x) => u64::from(x),
+                LaunchArg::I64(x) => x as u64,
+                LaunchArg::U64(x) => x,
+                LaunchArg::F32(x) => u64::from(x.to_bits()),
+            });
+        }
+        // Each parameter points at its own 8-byte slot; 4-byte parameters read the low half,
+        // which is where little-endian stores put them.
+        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| (v as *mut u64).cast::<c_void>()).collect();
+        let stream = self.raw()?;
+        // SAFETY: `f` belongs to this context; argument count and types were checked against the
+        // declared signature; `values` outlives the call (the driver copies parameters).
+        unsafe { result::launch_kernel(f, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, &mut params) }
+            .map_err(drv("cuLaunchKernel"))
+    }
+
+    fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let stream = self.raw()?;
+        // SAFETY: range checked by the front end.
+        unsafe { result::memset_d8_async(addr, value, bytes, stream) }.map_err(drv("cuMemsetD8Async"))
+    }
+
+    fn copy_d2d(&self, src: u64, dst: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        let stream = self.raw()?;
+        // SAFETY: ranges checked by the front end.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, stream) }.map_err(drv("cuMemcpyDtoDAsync"))
+    }
+
+    fn copy_h2d(&self, src: &[u8], dst: u64) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        let stream = self.raw()?;
+        // SAFETY: pageable source: the driver stages it before returning, so `src` may go away.
+        unsafe { result::memcpy_htod_async(dst, src, stream) }.map_err(drv("cuMemcpyHtoDAsync"))
+    }
+
+    fn copy_pinned_h2d(&self, src: &PinnedImpl, offset: usize, dst: u64, bytes: usize) -> Result<()> {
+        #[allow(unreachable_patterns)]
+        let src = match src {
+            PinnedImpl::Cuda(p) => p,
+            _ => return Err(wrong_backend("pinned buffer")),
+        };
+        if bytes == 0 {
+            return Ok(());
+        }
+        let stream = self.raw()?;
+        // SAFETY: the pinned range was checked by the front end, which (and any graph recording
+        // this copy) keeps the pinned allocation alive until the copy has run.
+        unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.0.ptr.add(offset).cast(), bytes, stream) }
+            .result()
+            .map_err(drv("cuMemcpyHtoDAsync"))
+    }
+
+    fn copy_d2h_sync(&self, src: u64, dst: &mut [u8]) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        let stream = self.raw()?;
+        // SAFETY: range checked by the front end; synchronised before `dst` is returned.
+        unsafe { result::memcpy_dtoh_async(dst, src, stream) }.map_err(drv("cuMemcpyDtoHAsync"))?;
+        self.stream.synchronize().map_err(drv("cuStreamSynchronize"))
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(drv("cuStreamSynchronize"))
+    }
+
+    fn wait_event(&self, event: &EventImpl) -> Result<()> {
+        #[allow(unreachable_patterns)]
+        let ev = match event {
+            EventImpl::Cuda(e) => e.ev,
+            _ => return Err(wrong_backend("event")),
+        };
+        let stream = self.raw()?;
+        // SAFETY: both handles belong to this context.
+        unsafe { result::stream::wait_event(stream, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(drv("cuStreamWaitEvent"))
+    }
+
+    fn begin_capture(&self) -> Result<()> {
+        let stream = self.raw()?;
+        // SAFETY: a HAL-created (non-legacy) stream that is not capturing (front end state).
+        unsafe { result::stream::begin_capture(stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }
+            .map_err(drv("cuStreamBeginCapture"))
+    }
+
+    fn end_capture(&self) -> Result<GraphImpl> {
+        let stream = self.raw()?;
+        // SAFETY: the stream is capturing (front end state).
+        let graph = unsafe { result::stream::end_capture(stream) }.map_err(drv("cuStreamEndCapture"))?;
+        let g = GraphHandles { ctx: self.ctx.clone(), graph, exec: std::ptr::null_mut() };
+        let (nodes, memory_nodes) = scan_nodes(graph)?;
+        if memory_nodes > 0 {
+            return Err(HalError::IllegalDuringCapture {
+                op: CaptureOp::Allocate,
+                detail: format!("the captured graph contains {memory_nodes} memory alloc/free node(s); it would fail on its second launch"),
+            });
+        }
+        let mut g = g;
+        // SAFETY: `graph` is a complete captured graph.
+        g.exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
+            .map_err(drv("cuGraphInstantiateWithFlags"))?;
+        // SAFETY: fresh executable graph, uploaded on the capturing stream.
+        unsafe { result::graph::upload(g.exec, stream) }.map_err(drv("cuGraphUpload"))?;
+        Ok(GraphImpl::Cuda(CudaGraph { handles: g, nodes }))
+    }
+
+    fn abort_capture(&self) -> Result<()> {
+        let stream = self.raw()?;
+        // SAFETY: the stream is capturing; the partial graph is destroyed at once.
+        match unsafe { result::stream::end_capture(stream) } {
+            Ok(graph) if !graph.is_null() => {
+                // SAFETY: destroyed exactly once.
+                let _ = unsafe { result::graph::destroy(graph) };
+                Ok(())
+            }
+            Ok(_) => Ok(()),
+            Err(e) if e.0 == sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED => Ok(()),
+            Err(e) => Err(drv("cuStreamEndCapture")(e)),
+        }
+    }
+}
+
+/// Counts the nodes of `graph` and how many of them are memory alloc/free nodes.
+fn scan_nodes(graph: sys::CUgraph) -> Result<(usize, usize)> {
+    if graph.is_null() {
+        return Ok((0, 0));
+    }
+    let mut n = 0usize;
+    // SAFETY: query the node count.
+    unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }.result().map_err(drv("cuGraphGetNodes"))?;
+    let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
+    // SAFETY: `nodes` holds `n` entries.
+    unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }.result().map_err(drv("cuGraphGetNodes"))?;
+    let mut memory = 0;
+    for &node in &nodes[..n] {
+        let mut t = std::mem::MaybeUninit::<sys::CUgraphNodeType>::uninit();
+        // SAFETY: `node` belongs to `graph`.
+        unsafe { sys::cuGraphNodeGetType(node, t.as_mut_ptr()) }.result().map_err(drv("cuGraphNodeGetType"))?;
+        // SAFETY: initialised by the successful call above.
+        let t = unsafe { t.assume_init() };
+        if matches!(
+            t,
+            sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC | sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE
+        ) {
+            memory += 1;
+        }
+    }
+    Ok((n, memory))
+}
+
+struct GraphHandles {
+    ctx: Arc<CudaContext>,
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+}
+
+impl Drop for GraphHandles {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: each handle is destroyed exactly once; null handles are skipped.
+        unsafe {
+            if !self.exec.is_null() {
+                let _ = result::graph::exec_destroy(self.exec);
+            }
+            if !self.graph.is_null() {
+                let _ = result::graph::destroy(self.graph);
+            }
+        }
+    }
+}
+
+/// An instantiated, uploaded graph.
+pub(crate) struct CudaGraph {
+    handles: GraphHandles,
+    nodes: usize,
+}
+
+// SAFETY: the front end serialises replays of one graph (it holds a lock across `replay`), and
+// launching an executable graph from any thread with the context current is allowed.
+unsafe impl Send for CudaGraph {}
+// SAFETY: as above.
+unsafe impl Sync for CudaGraph {}
+
+impl GraphOps for CudaGraph {
+    fn replay(&self, stream: &StreamImpl) -> Result<()> {
+        #[allow(unreachable_patterns)]
+        let stream = match stream {
+            StreamImpl::Cuda(s) => s.raw()?,
+            _ => return Err(wrong_backend("stream")),
+        };
+        // SAFETY: `exec` is live; every buffer it references is retained by the front end's Graph.
+        unsafe { result::graph::launch(self.handles.exec, stream) }.map_err(drv("cuGraphLaunch"))
+    }
+    fn node_count(&self) -> usize {
+        self.nodes
+    }
+}
+
+/// A timing event.
+pub(crate) struct CudaEvent {
+    ctx: Arc<CudaContext>,
+    ev: sys::CUevent,
+}
+
+// SAFETY: CUevent handles may be used from any thread with the context current.
+unsafe impl Send for CudaEvent {}
+// SAFETY: as above.
+unsafe impl Sync for CudaEvent {}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: destroyed exactly once.
+            let _ = unsafe { result::event::destroy(self.ev) };
+        }
+    }
+}
+
+impl EventOps for CudaEvent {
+    fn record(&self, stream: &StreamImpl) -> Result<()> {
+        #[allow(unreachable_patterns)]
+        let stream = match stream {
+            StreamImpl::Cuda(s) => s.raw()?,
+            _ => return Err(wrong_backend("stream")),
+        };
+        // SAFETY: both handles belong to this context.
+        unsafe { result::event::record(self.ev, stream) }.map_err(drv("cuEventRecord"))
+    }
+    fn synchronize(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: live event.
+        unsafe { result::event::synchronize(self.ev) }.map_err(drv("cuEventSynchronize"))
+    }
+    fn elapsed_ms(&self, end: &EventImpl) -> Result<f32> {
+        #[allow(unreachable_patterns)]
+        let end = match end {
+            EventImpl::Cuda(e) => e.ev,
+            _ => return Err(wrong_backend("event")),
+        };
+        self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
+        // SAFETY: both events were recorded and `end` has completed (front end synchronises it).
+        unsafe { result::event::elapsed(self.ev, end) }.map_err(drv("cuEventElapsedTime"))
+    }
+}
