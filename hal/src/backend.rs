@@ -11,11 +11,11 @@ use crate::cpu::{CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuPinned, Cp
 #[cfg(feature = "cuda")]
 use crate::cuda::{CudaDevice, CudaEvent, CudaGraph, CudaKernel, CudaMem, CudaPinned, CudaStream};
 use crate::error::Result;
-use crate::kernel::{KernelEntry, KernelSource, LaunchConfig};
+use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
 #[cfg(feature = "rocm")]
 use crate::rocm::{RocmDevice, RocmEvent, RocmGraph, RocmKernel, RocmMem, RocmPinned, RocmStream};
 
-/// A resolved launch argument: what a backend needs to pass it to a kernel.
+/// A launch argument reduced to its value: what a recorded CPU launch keeps.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum LaunchArg {
     /// Device address and the length of the view in elements (CPU bounds checks use it).
@@ -28,6 +28,32 @@ pub(crate) enum LaunchArg {
     I64(i64),
     U64(u64),
     F32(f32),
+}
+
+impl LaunchArg {
+    pub(crate) fn of(a: &Arg) -> Self {
+        match a {
+            Arg::Ptr(v) => LaunchArg::Ptr { addr: v.addr(), len: v.len() },
+            Arg::I32(x) => LaunchArg::I32(*x),
+            Arg::U32(x) => LaunchArg::U32(*x),
+            Arg::I64(x) => LaunchArg::I64(*x),
+            Arg::U64(x) => LaunchArg::U64(*x),
+            Arg::F32(x) => LaunchArg::F32(*x),
+        }
+    }
+
+    /// The argument as the 8-byte slot a driver launch reads (4-byte values in the low half).
+    #[allow(dead_code)]
+    pub(crate) fn slot(a: &Arg) -> u64 {
+        match a {
+            Arg::Ptr(v) => v.addr(),
+            Arg::I32(x) => u64::from(*x as u32),
+            Arg::U32(x) => u64::from(*x),
+            Arg::I64(x) => *x as u64,
+            Arg::U64(x) => *x,
+            Arg::F32(x) => u64::from(x.to_bits()),
+        }
+    }
 }
 
 #[enum_dispatch]
@@ -86,7 +112,8 @@ pub(crate) enum PinnedImpl {
 
 #[enum_dispatch]
 pub(crate) trait StreamOps {
-    fn launch(&self, kernel: &KernelImpl, entry: &KernelEntry, cfg: &LaunchConfig, args: &[LaunchArg]) -> Result<()>;
+    /// Launches with `args` already checked against `entry.params` by the front end.
+    fn launch(&self, kernel: &KernelImpl, entry: &KernelEntry, cfg: &LaunchConfig, args: &[Arg]) -> Result<()>;
     fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()>;
     fn copy_d2d(&self, src: u64, dst: u64, bytes: usize) -> Result<()>;
     /// Copy from pageable host memory (never called during capture).

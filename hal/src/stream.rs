@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{EventImpl, EventOps, LaunchArg, StreamImpl, StreamOps};
+use crate::backend::{EventImpl, EventOps, StreamImpl, StreamOps};
 use crate::capture::{CaptureLog, CaptureState, CaptureStatus, ViewRecord};
 use crate::device::{lock, DeviceShared};
 use crate::dtype::Element;
@@ -59,18 +59,22 @@ impl Stream {
         Ok(())
     }
 
-    /// Runs `f` with the capture log if capturing (after checking that every view in `uses` is
-    /// persistent), then the backend call `op`.
-    fn enqueue(
+    /// Runs the backend call `op`; while capturing, first checks that every view `uses` yields is
+    /// persistent, and afterwards logs it (retention, host-refreshed reads) and calls `on_log`.
+    /// `uses` is only evaluated while capturing, so eager operations allocate nothing here.
+    fn enqueue<'v, U>(
         &self,
         what: &str,
-        uses: &[(&str, &RawView, bool)],
+        uses: impl Fn() -> U,
         on_log: impl FnOnce(&mut CaptureLog),
         op: impl FnOnce() -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<()>
+    where
+        U: Iterator<Item = (&'v str, &'v RawView, bool)>,
+    {
         let mut state = lock(&self.capture);
         if let CaptureState::Capturing(log) = &mut *state {
-            for (arg, v, _) in uses {
+            for (arg, v, _) in uses() {
                 if !v.is_persistent() {
                     return Err(HalError::NotGraphStable {
                         kernel: what.to_string(),
@@ -80,9 +84,9 @@ impl Stream {
                 }
             }
             op()?;
-            for (_, v, reads) in uses {
+            for (_, v, reads) in uses() {
                 log.retain(&v.alloc);
-                if *reads {
+                if reads {
                     log.note_read(&v.alloc);
                 }
             }
@@ -98,43 +102,29 @@ impl Stream {
     /// Launches `kernel` with `args`, checked against its declared signature.
     pub fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         if kernel.device_id != self.device.id {
-            return Err(HalError::DeviceMismatch(format!(
-                "kernel `{}` was compiled for another device",
-                kernel.name()
-            )));
+            return Err(HalError::DeviceMismatch(format!("kernel `{}` was compiled for another device", kernel.name())));
         }
         cfg.validate(kernel.name())?;
         check_args(kernel.name(), kernel.params(), args)?;
-        let mut launch_args = Vec::with_capacity(args.len());
-        let mut uses = Vec::new();
-        for (p, a) in kernel.params().iter().zip(args) {
-            launch_args.push(match a {
-                Arg::Ptr(v) => {
-                    self.same_device(v, kernel.name())?;
-                    let reads = matches!(p.kind, crate::ParamKind::Ptr { access, .. } if access.reads());
-                    uses.push((p.name, v, reads));
-                    LaunchArg::Ptr { addr: v.addr(), len: v.len() }
-                }
-                Arg::I32(x) => LaunchArg::I32(*x),
-                Arg::U32(x) => LaunchArg::U32(*x),
-                Arg::I64(x) => LaunchArg::I64(*x),
-                Arg::U64(x) => LaunchArg::U64(*x),
-                Arg::F32(x) => LaunchArg::F32(*x),
-            });
+        for a in args {
+            if let Arg::Ptr(v) = a {
+                self.same_device(v, kernel.name())?;
+            }
         }
-        self.enqueue(
-            kernel.name(),
-            &uses,
-            |_| {},
-            || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, &launch_args),
-        )
+        let uses = || {
+            kernel.params().iter().zip(args).filter_map(|(p, a)| match (p.kind, a) {
+                (crate::ParamKind::Ptr { access, .. }, Arg::Ptr(v)) => Some((p.name, v, access.reads())),
+                _ => None,
+            })
+        };
+        self.enqueue(kernel.name(), uses, |_| {}, || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, args))
     }
 
     /// Sets every byte of `dst` to `value`.
     pub fn memset<T: Element>(&self, dst: &View<T>, value: u8) -> Result<()> {
         let v = dst.raw();
         self.same_device(&v, "memset")?;
-        self.enqueue("memset", &[("dst", &v, false)], |_| {}, || self.inner.memset(v.addr(), v.bytes(), value))
+        self.enqueue("memset", || [("dst", &v, false)].into_iter(), |_| {}, || self.inner.memset(v.addr(), v.bytes(), value))
     }
 
     /// Device-to-device copy of equal-length views.
@@ -147,7 +137,7 @@ impl Stream {
         self.same_device(&d, "copy")?;
         self.enqueue(
             "copy",
-            &[("src", &s, true), ("dst", &d, false)],
+            || [("src", &s, true), ("dst", &d, false)].into_iter(),
             |_| {},
             || self.inner.copy_d2d(s.addr(), d.addr(), s.bytes()),
         )
@@ -180,7 +170,7 @@ impl Stream {
         let capturing = self.is_capturing();
         self.enqueue(
             "copy_from_pinned",
-            &[("dst", &d, false)],
+            || [("dst", &d, false)].into_iter(),
             |log| {
                 log.pinned.push(src.alloc.clone());
                 log.refreshed_in_graph.insert(d.alloc.id);

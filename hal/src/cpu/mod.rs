@@ -32,7 +32,7 @@ use crate::backend::{
 };
 use crate::device::{lock, BackendKind, DeviceInfo};
 use crate::error::{HalError, Result};
-use crate::kernel::{CpuKernelFn, KernelEntry, KernelSource, LaunchConfig};
+use crate::kernel::{Arg, CpuKernelFn, KernelEntry, KernelSource, LaunchConfig};
 
 const ADDRESS_BASE: u64 = 0x7000_0000_0000;
 const ALIGN: u64 = 256;
@@ -265,13 +265,14 @@ impl CpuStream {
 }
 
 impl StreamOps for CpuStream {
-    fn launch(&self, kernel: &KernelImpl, entry: &KernelEntry, cfg: &LaunchConfig, args: &[LaunchArg]) -> Result<()> {
+    fn launch(&self, kernel: &KernelImpl, entry: &KernelEntry, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Cpu(k) => k.f,
             _ => return Err(wrong_backend("kernel")),
         };
-        self.submit(CpuOp::Launch { f, entry: Arc::new(entry.clone()), cfg: *cfg, args: args.to_vec() })
+        let args = args.iter().map(LaunchArg::of).collect();
+        self.submit(CpuOp::Launch { f, entry: Arc::new(entry.clone()), cfg: *cfg, args })
     }
 
     fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()> {

@@ -20,8 +20,21 @@ pub(crate) fn full_source(src: &KernelSource) -> String {
     format!("{PORTABILITY_HEADER}\n#line 1 \"{}.cu\"\n{}", src.name, src.code)
 }
 
+fn require_nvrtc() -> Result<()> {
+    match super::loader::nvrtc_unavailable() {
+        Some(reason) => Err(HalError::BackendUnavailable { backend: "cuda", reason }),
+        None => Ok(()),
+    }
+}
+
+/// Why NVRTC cannot be used here (compilation needs only NVRTC, not a GPU), or `None`.
+pub fn nvrtc_unavailable_reason() -> Option<String> {
+    super::loader::nvrtc_unavailable()
+}
+
 /// NVRTC's version as (major, minor).
 pub fn nvrtc_version() -> Result<(i32, i32)> {
+    require_nvrtc()?;
     let (mut a, mut b) = (0, 0);
     // SAFETY: plain out-parameters.
     unsafe { nvrtc_sys::nvrtcVersion(&mut a, &mut b) }.result().map_err(|e| nvrtc_err("nvrtcVersion", e))?;
@@ -32,13 +45,15 @@ fn nvrtc_err(call: &'static str, e: cudarc::nvrtc::result::NvrtcError) -> HalErr
     HalError::Driver { call, code: e.0 as i64, message: format!("{e:?}") }
 }
 
-/// Compiles `src` for `arch` (e.g. `sm_90`) with warp width `warp`.
+/// Compiles `src` for `arch` (e.g. `sm_90`) with warp width `warp`; returns (CUBIN, PTX). Needs
+/// NVRTC only, no GPU or driver.
 pub fn compile(src: &KernelSource, arch: &str, warp: u32) -> Result<(Vec<u8>, Vec<u8>)> {
     let c = compile_inner(src, arch, warp)?;
     Ok((c.cubin, c.ptx))
 }
 
 pub(crate) fn compile_inner(src: &KernelSource, arch: &str, warp: u32) -> Result<Compiled> {
+    require_nvrtc()?;
     let fail = |log: String| HalError::Compile { source_name: src.name.to_string(), arch: arch.to_string(), log };
     let text = CString::new(full_source(src)).map_err(|_| fail("kernel source contains a NUL byte".into()))?;
     let name = CString::new(format!("{}.cu", src.name)).map_err(|_| fail("kernel name contains a NUL byte".into()))?;

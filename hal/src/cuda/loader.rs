@@ -60,36 +60,50 @@ fn try_dirs(names: &[&str], also: &[&str]) -> Option<PathBuf> {
     None
 }
 
-/// Why the CUDA backend cannot start, or `None` if both libraries are present.
-pub(crate) fn unavailable_reason() -> Option<String> {
+fn searched() -> String {
+    let dirs: Vec<String> = search_dirs().iter().map(|d| d.display().to_string()).collect();
+    format!("the system loader path (LD_LIBRARY_PATH, ld.so.cache), then {}", dirs.join(", "))
+}
+
+/// Why `libcuda` cannot be loaded, or `None` if it can.
+pub(crate) fn driver_unavailable() -> Option<String> {
     static REASON: OnceLock<Option<String>> = OnceLock::new();
     REASON
         .get_or_init(|| {
-            let searched = || {
-                let dirs: Vec<String> = search_dirs().iter().map(|d| d.display().to_string()).collect();
-                format!("the system loader path (LD_LIBRARY_PATH, ld.so.cache), then {}", dirs.join(", "))
-            };
             // SAFETY: `is_culib_present` only tries to open the library and closes it again.
-            let mut driver = unsafe { cudarc::driver::sys::is_culib_present() };
-            if !driver {
-                try_dirs(&["libcuda.so.1", "libcuda.so"], &[]);
-                // SAFETY: as above.
-                driver = unsafe { cudarc::driver::sys::is_culib_present() };
+            if unsafe { cudarc::driver::sys::is_culib_present() } {
+                return None;
             }
-            if !driver {
-                return Some(format!("libcuda (the NVIDIA driver library) was not found; searched {}", searched()));
-            }
+            try_dirs(&["libcuda.so.1", "libcuda.so"], &[]);
             // SAFETY: as above.
-            let mut nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
-            if !nvrtc {
-                try_dirs(&["libnvrtc.so.13", "libnvrtc.so"], &["libnvrtc-builtins.so.13.0", "libnvrtc-builtins.so"]);
-                // SAFETY: as above.
-                nvrtc = unsafe { cudarc::nvrtc::sys::is_culib_present() };
+            if unsafe { cudarc::driver::sys::is_culib_present() } {
+                return None;
             }
-            if !nvrtc {
-                return Some(format!("libnvrtc (CUDA 13 runtime compiler) was not found; searched {}", searched()));
-            }
-            None
+            Some(format!("libcuda (the NVIDIA driver library) was not found; searched {}", searched()))
         })
         .clone()
+}
+
+/// Why `libnvrtc` cannot be loaded, or `None` if it can (its builtins are preloaded beside it).
+pub(crate) fn nvrtc_unavailable() -> Option<String> {
+    static REASON: OnceLock<Option<String>> = OnceLock::new();
+    REASON
+        .get_or_init(|| {
+            // SAFETY: as in `driver_unavailable`.
+            if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                return None;
+            }
+            try_dirs(&["libnvrtc.so.13", "libnvrtc.so"], &["libnvrtc-builtins.so.13.0", "libnvrtc-builtins.so"]);
+            // SAFETY: as above.
+            if unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+                return None;
+            }
+            Some(format!("libnvrtc (the CUDA 13 runtime compiler) was not found; searched {}", searched()))
+        })
+        .clone()
+}
+
+/// Why the CUDA backend cannot start, or `None` if both libraries are present.
+pub(crate) fn unavailable_reason() -> Option<String> {
+    driver_unavailable().or_else(nvrtc_unavailable)
 }

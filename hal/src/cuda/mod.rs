@@ -18,7 +18,7 @@
 mod compile;
 mod loader;
 
-pub use compile::{compile, nvrtc_version};
+pub use compile::{compile, nvrtc_unavailable_reason, nvrtc_version};
 
 use std::ffi::{c_void, CString};
 use std::sync::Arc;
@@ -31,7 +31,7 @@ use crate::backend::{
 };
 use crate::device::{BackendKind, DeviceInfo};
 use crate::error::{CaptureOp, HalError, Result};
-use crate::kernel::{KernelEntry, KernelSource, LaunchConfig};
+use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
 
 fn drv(call: &'static str) -> impl Fn(DriverError) -> HalError {
     move |e| match e.0 {
@@ -284,30 +284,40 @@ impl CudaStream {
 }
 
 impl StreamOps for CudaStream {
-    fn launch(&self, kernel: &KernelImpl, _entry: &KernelEntry, cfg: &LaunchConfig, args: &[LaunchArg]) -> Result<()> {
+    fn launch(&self, kernel: &KernelImpl, _entry: &KernelEntry, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Cuda(k) => k.f.0,
             _ => return Err(wrong_backend("kernel")),
         };
-        let mut values: Vec<u64> = Vec::with_capacity(args.len());
-        for a in args {
-            values.push(match *a {
-                LaunchArg::Ptr { addr, .. } => addr,
-                LaunchArg::I32(x) => u64::from(x as u32),
-                LaunchArg::U32(x) => u64::from(x),
-                LaunchArg::I64(x) => x as u64,
-                LaunchArg::U64(x) => x,
-                LaunchArg::F32(x) => u64::from(x.to_bits()),
-            });
-        }
         // Each parameter points at its own 8-byte slot; 4-byte parameters read the low half,
-        // which is where little-endian stores put them.
-        let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| (v as *mut u64).cast::<c_void>()).collect();
+        // which is where little-endian stores put them. Up to 32 arguments stay on the stack.
+        let mut stack_values = [0u64; 32];
+        let mut heap_values;
+        let values: &mut [u64] = if args.len() <= stack_values.len() {
+            &mut stack_values[..args.len()]
+        } else {
+            heap_values = vec![0u64; args.len()];
+            &mut heap_values
+        };
+        for (slot, a) in values.iter_mut().zip(args) {
+            *slot = LaunchArg::slot(a);
+        }
+        let mut stack_params = [std::ptr::null_mut::<c_void>(); 32];
+        let mut heap_params;
+        let params: &mut [*mut c_void] = if args.len() <= stack_params.len() {
+            &mut stack_params[..args.len()]
+        } else {
+            heap_params = vec![std::ptr::null_mut::<c_void>(); args.len()];
+            &mut heap_params
+        };
+        for (p, v) in params.iter_mut().zip(values.iter_mut()) {
+            *p = (v as *mut u64).cast::<c_void>();
+        }
         let stream = self.raw()?;
         // SAFETY: `f` belongs to this context; argument count and types were checked against the
         // declared signature; `values` outlives the call (the driver copies parameters).
-        unsafe { result::launch_kernel(f, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, &mut params) }
+        unsafe { result::launch_kernel(f, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, params) }
             .map_err(drv("cuLaunchKernel"))
     }
 
@@ -401,6 +411,10 @@ impl StreamOps for CudaStream {
             });
         }
         let mut g = g;
+        if nodes == 0 {
+            // An empty capture replays as a no-op (the driver does not instantiate empty graphs).
+            return Ok(GraphImpl::Cuda(CudaGraph { handles: g, nodes }));
+        }
         // SAFETY: `graph` is a complete captured graph.
         g.exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
             .map_err(drv("cuGraphInstantiateWithFlags"))?;
@@ -495,6 +509,9 @@ impl GraphOps for CudaGraph {
             StreamImpl::Cuda(s) => s.raw()?,
             _ => return Err(wrong_backend("stream")),
         };
+        if self.handles.exec.is_null() {
+            return Ok(());
+        }
         // SAFETY: `exec` is live; every buffer it references is retained by the front end's Graph.
         unsafe { result::graph::launch(self.handles.exec, stream) }.map_err(drv("cuGraphLaunch"))
     }

@@ -26,7 +26,7 @@ use crate::backend::{
 };
 use crate::device::{BackendKind, DeviceInfo};
 use crate::error::{CaptureOp, HalError, Result};
-use crate::kernel::{KernelEntry, KernelSource, LaunchConfig};
+use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
 
 /// Why the ROCm backend is unusable on this machine, or `None` if HIP and hipRTC load.
 pub fn unavailable_reason() -> Option<String> {
@@ -307,23 +307,13 @@ impl RocmStream {
 }
 
 impl StreamOps for RocmStream {
-    fn launch(&self, kernel: &KernelImpl, _entry: &KernelEntry, cfg: &LaunchConfig, args: &[LaunchArg]) -> Result<()> {
+    fn launch(&self, kernel: &KernelImpl, _entry: &KernelEntry, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Rocm(k) => k.f.0,
             _ => return Err(wrong_backend("kernel")),
         };
-        let mut values: Vec<u64> = args
-            .iter()
-            .map(|a| match *a {
-                LaunchArg::Ptr { addr, .. } => addr,
-                LaunchArg::I32(x) => u64::from(x as u32),
-                LaunchArg::U32(x) => u64::from(x),
-                LaunchArg::I64(x) => x as u64,
-                LaunchArg::U64(x) => x,
-                LaunchArg::F32(x) => u64::from(x.to_bits()),
-            })
-            .collect();
+        let mut values: Vec<u64> = args.iter().map(LaunchArg::slot).collect();
         let mut params: Vec<*mut c_void> = values.iter_mut().map(|v| (v as *mut u64).cast::<c_void>()).collect();
         let stream = self.raw()?;
         // SAFETY: arguments checked against the declared signature; `values` outlives the call.
@@ -444,6 +434,10 @@ impl StreamOps for RocmStream {
                 detail: format!("the captured graph contains {memory_nodes} memory alloc/free node(s); it would fail on its second launch"),
             });
         }
+        if nodes == 0 {
+            // An empty capture replays as a no-op.
+            return Ok(GraphImpl::Rocm(RocmGraph { handles, nodes }));
+        }
         // SAFETY: complete captured graph.
         check("hipGraphInstantiateWithFlags", unsafe {
             hip::hipGraphInstantiateWithFlags(&mut handles.exec, graph, 0)
@@ -531,6 +525,9 @@ impl GraphOps for RocmGraph {
             StreamImpl::Rocm(s) => s.raw()?,
             _ => return Err(wrong_backend("stream")),
         };
+        if self.handles.exec.is_null() {
+            return Ok(());
+        }
         // SAFETY: live executable graph; its buffers are retained by the front end.
         check("hipGraphLaunch", unsafe { hip::hipGraphLaunch(self.handles.exec, s) })
     }
