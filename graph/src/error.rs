@@ -4,11 +4,56 @@
 //! declared support) or from a caller's dispatch request, so each message names the setting at
 //! fault and what to change. Nothing in this crate panics on such input.
 
-use crate::mode::GraphMode;
+use std::fmt;
+use std::sync::Arc;
+
+use holdfast_hal::HalError;
+
+use crate::descriptor::BatchDescriptor;
+use crate::mode::{GraphMode, RuntimeMode};
 use crate::mode_set::ModeSet;
 use crate::support::CgSupport;
 
-/// Errors from graph mode parsing, resolution, capture-size building and dispatch.
+/// A [`HalError`] shared behind an `Arc`, so that [`GraphError`] stays `Clone` and comparable.
+///
+/// Two values are equal when they print the same `Debug` form (the HAL error's every field).
+#[derive(Clone)]
+pub struct SharedHalError(pub Arc<HalError>);
+
+impl SharedHalError {
+    /// The HAL error.
+    pub fn get(&self) -> &HalError {
+        &self.0
+    }
+}
+
+impl fmt::Debug for SharedHalError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for SharedHalError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for SharedHalError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.0)
+    }
+}
+
+impl PartialEq for SharedHalError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || format!("{:?}", self.0) == format!("{:?}", other.0)
+    }
+}
+impl Eq for SharedHalError {}
+
+/// Errors from graph mode parsing, resolution, capture-size building, dispatch, the persistent
+/// arena and the graph runners.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GraphError {
     /// A graph mode string matched no mode.
@@ -163,4 +208,126 @@ pub enum GraphError {
         /// The allowed set after removing invalid modes.
         allowed: ModeSet,
     },
+
+    /// A device operation failed (the HAL's error, unchanged).
+    #[error(transparent)]
+    Hal(SharedHalError),
+
+    /// A failure while warming up or capturing one graph; `source` is what went wrong.
+    #[error("capturing the {mode} graph for {desc} failed: {source}")]
+    CaptureFailed {
+        /// The runtime mode being captured.
+        mode: RuntimeMode,
+        /// The graph key being captured.
+        desc: BatchDescriptor,
+        /// The underlying error.
+        #[source]
+        source: Box<GraphError>,
+    },
+
+    /// An allocation was attempted after [`crate::PersistentArena::lock`].
+    #[error(
+        "persistent arena is locked: cannot allocate buffer `{buffer}` after start-up; allocate every \
+         graph-visible buffer before locking (graphs have baked in the arena's addresses)"
+    )]
+    ArenaLocked {
+        /// The buffer that was requested.
+        buffer: String,
+    },
+
+    /// Two arena buffers were given the same name.
+    #[error("persistent arena already has a buffer named `{buffer}`")]
+    DuplicateBuffer {
+        /// The repeated name.
+        buffer: String,
+    },
+
+    /// An arena lookup by a name that was never allocated.
+    #[error("persistent arena has no buffer named `{buffer}` (it has: {available})")]
+    UnknownBuffer {
+        /// The requested name.
+        buffer: String,
+        /// The names it does have, comma separated.
+        available: String,
+    },
+
+    /// An arena lookup with the wrong element type.
+    #[error("persistent arena buffer `{buffer}` holds {actual} elements, not {requested}")]
+    BufferTypeMismatch {
+        /// The buffer's name.
+        buffer: String,
+        /// The type it was allocated with.
+        actual: holdfast_hal::DType,
+        /// The type asked for.
+        requested: holdfast_hal::DType,
+    },
+
+    /// The runner needs a locked arena (so no buffer can appear after capture).
+    #[error("the persistent arena must be locked before graphs are captured")]
+    ArenaNotLocked,
+
+    /// A splitting op declared an output outside the persistent arena: the next piece's graph
+    /// baked in an arena address, so a fresh buffer would never be read by the replay.
+    #[error(
+        "splitting op `{op}` writes `{buffer}`, which is not a persistent arena buffer: splitting \
+         ops must write their outputs into arena buffers that the captured pieces read"
+    )]
+    SplittingOpOutputNotPersistent {
+        /// The splitting op's name.
+        op: String,
+        /// The label of the buffer it declared.
+        buffer: String,
+    },
+
+    /// A step asked for a descriptor that is not a graph key of that mode.
+    #[error("no {mode} graph key equals {desc}: dispatch must hand the runner one of its keys exactly")]
+    UnknownGraphKey {
+        /// The requested mode.
+        mode: RuntimeMode,
+        /// The requested descriptor.
+        desc: BatchDescriptor,
+    },
+
+    /// A step asked for a graph key that has not been captured and lazy capture is off.
+    #[error("the {mode} graph for {desc} has not been captured (call capture_all, or enable lazy capture)")]
+    GraphNotCaptured {
+        /// The requested mode.
+        mode: RuntimeMode,
+        /// The requested descriptor.
+        desc: BatchDescriptor,
+    },
+
+    /// A piecewise step ran a different sequence of pieces than the one captured for its size.
+    #[error("piecewise graph for {desc}: {detail}")]
+    PieceMismatch {
+        /// The descriptor being replayed or captured.
+        desc: BatchDescriptor,
+        /// What differs.
+        detail: String,
+    },
+}
+
+impl From<HalError> for GraphError {
+    fn from(e: HalError) -> Self {
+        GraphError::Hal(SharedHalError(Arc::new(e)))
+    }
+}
+
+impl GraphError {
+    /// The HAL error at the root of this error, if any (looks through [`GraphError::CaptureFailed`]).
+    pub fn hal(&self) -> Option<&HalError> {
+        match self {
+            GraphError::Hal(e) => Some(e.get()),
+            GraphError::CaptureFailed { source, .. } => source.hal(),
+            _ => None,
+        }
+    }
+
+    /// This error without its [`GraphError::CaptureFailed`] wrappers.
+    pub fn root(&self) -> &GraphError {
+        match self {
+            GraphError::CaptureFailed { source, .. } => source.root(),
+            e => e,
+        }
+    }
 }

@@ -1,8 +1,11 @@
 //! Graph mode selection for holdfast: which graphs exist, and which one a step replays.
 //!
-//! This crate is pure logic. It knows nothing of devices or kernels (the runner that captures
-//! and replays graphs sits on top of it and of `holdfast-hal`), so everything here is tested on
-//! any machine, and the whole start-up decision can be made before a device is opened.
+//! The selection logic (modes, support resolution, sizes, padding, dispatch) is pure: it knows
+//! nothing of devices, is tested on any machine, and the whole start-up decision can be made
+//! before a device is opened. On top of it and of `holdfast-hal` sit the parts that touch a
+//! device: the [`PersistentArena`] (graph-stable buffers, allocated once and locked), the
+//! [`GraphRunner`] (warm-up, fresh per-step state, capture and checked replay of a [`Forward`])
+//! and the [`PiecewiseRunner`] (pieces captured per size around eager splitting ops).
 //!
 //! The flow, once per model:
 //! 1. The configured [`GraphMode`] is a `(decode, mixed)` pair of [`RuntimeMode`]s.
@@ -53,6 +56,7 @@
 //! Names follow the reference's spelling where a user will meet them (`FULL_AND_PIECEWISE` in
 //! logs and displays, `max_num_batched_tokens`, `cudagraph_capture_sizes` in messages).
 
+mod arena;
 mod descriptor;
 mod dispatcher;
 mod error;
@@ -61,17 +65,22 @@ mod lora;
 mod mode;
 mod mode_set;
 mod padding;
+mod piecewise;
+mod runner;
 mod sizes;
 mod stats;
 mod support;
 
+pub use arena::{PersistentArena, WORKSPACE};
 pub use descriptor::BatchDescriptor;
 pub use dispatcher::{Dispatched, Dispatcher, DispatcherConfig};
-pub use error::GraphError;
+pub use error::{GraphError, SharedHalError};
 pub use lora::LoraConfig;
 pub use mode::{GraphMode, RuntimeMode};
 pub use mode_set::ModeSet;
 pub use padding::PaddingTable;
+pub use piecewise::{PieceCtx, PiecewiseRunner};
+pub use runner::{Forward, GraphRunner, RunnerConfig, RunnerStats, StepKind};
 pub use sizes::{CaptureSizeConfig, CaptureSizes, SizeWarning, DEFAULT_MAX_CAPTURE_SIZE_CAP, MAX_CAPTURE_SIZE};
 pub use stats::{DispatchStats, FallbackReason};
 pub use support::{min_support, resolve, CgSupport, Downgrade, DowngradeRule, ResolveContext, Resolved};

@@ -1,0 +1,257 @@
+//! Piecewise graphs: a forward is a sequence of pieces separated by splitting ops (attention).
+//!
+//! In PIECEWISE mode each piece (the work between two splitting ops) is captured per size as its
+//! own HAL graph and replayed, while the splitting ops run eagerly in between, reading and writing
+//! persistent arena buffers. In FULL mode the same sequence, pieces and splitting ops alike, is
+//! recorded into one graph. A forward is written once against [`PieceCtx`]:
+//!
+//! ```text
+//! pieces.piece(stream, |s| { /* projections, norms: captured per size */ Ok(()) })?;
+//! pieces.splitting_op(stream, "attn0", &[attn_out.raw()], |s| { /* attention: eager */ Ok(()) })?;
+//! pieces.piece(stream, |s| { /* the rest */ Ok(()) })?;
+//! ```
+//!
+//! On a PIECEWISE replay the piece closures are not called at all: the captured graph for that
+//! position replays instead. Splitting ops must write into arena buffers, because the next piece's
+//! graph baked in the address it reads: a splitting op that declares any other output is a
+//! [`GraphError::SplittingOpOutputNotPersistent`], checked in every mode so the bug shows up in an
+//! eager test already.
+
+use std::collections::HashMap;
+
+use holdfast_hal::{Graph, RawView, Stream};
+
+use crate::arena::PersistentArena;
+use crate::descriptor::BatchDescriptor;
+use crate::error::GraphError;
+
+/// What a [`PieceCtx`] does with pieces and splitting ops.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Run everything now (NONE steps and warm-up runs).
+    Eager,
+    /// The runner is capturing one FULL graph around the whole forward: run (record) everything.
+    CaptureFull,
+    /// Capture each piece as its own graph; run splitting ops eagerly.
+    CapturePieces,
+    /// Replay each piece's graph; run splitting ops eagerly.
+    ReplayPieces,
+}
+
+/// Counters a [`PieceCtx`] accumulates over one forward.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct PieceCounts {
+    pub(crate) piece_replays: u64,
+    pub(crate) splitting_op_runs: u64,
+}
+
+/// The per-forward handle through which a forward runs its pieces and splitting ops; the graph
+/// runner decides, per phase, whether a piece runs, is captured or is replayed.
+pub struct PieceCtx<'a> {
+    arena: &'a PersistentArena,
+    desc: BatchDescriptor,
+    phase: Phase,
+    inputs: &'a [(String, RawView)],
+    replay: &'a [Graph],
+    captured: Vec<Graph>,
+    next_piece: usize,
+    pub(crate) counts: PieceCounts,
+}
+
+impl std::fmt::Debug for PieceCtx<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PieceCtx")
+            .field("desc", &self.desc)
+            .field("phase", &self.phase)
+            .field("next_piece", &self.next_piece)
+            .finish()
+    }
+}
+
+impl<'a> PieceCtx<'a> {
+    pub(crate) fn new(
+        arena: &'a PersistentArena,
+        desc: BatchDescriptor,
+        phase: Phase,
+        inputs: &'a [(String, RawView)],
+        replay: &'a [Graph],
+    ) -> PieceCtx<'a> {
+        PieceCtx {
+            arena,
+            desc,
+            phase,
+            inputs,
+            replay,
+            captured: Vec::new(),
+            next_piece: 0,
+            counts: PieceCounts::default(),
+        }
+    }
+
+    /// A context that runs everything eagerly (for tests of a forward outside any runner).
+    pub fn eager(arena: &'a PersistentArena, desc: BatchDescriptor) -> PieceCtx<'a> {
+        PieceCtx::new(arena, desc, Phase::Eager, &[], &[])
+    }
+
+    /// The arena the forward's buffers live in.
+    pub fn arena(&self) -> &'a PersistentArena {
+        self.arena
+    }
+
+    /// The descriptor this forward runs for (padded for graph steps).
+    pub fn desc(&self) -> &BatchDescriptor {
+        &self.desc
+    }
+
+    /// True while this forward is being captured (FULL or piecewise): work is recorded, and a
+    /// piece's results are not available to the host.
+    pub fn is_capturing(&self) -> bool {
+        matches!(self.phase, Phase::CaptureFull | Phase::CapturePieces)
+    }
+
+    /// Pieces run so far in this forward.
+    pub fn pieces_run(&self) -> usize {
+        self.next_piece
+    }
+
+    /// Runs one piece: eagerly, recorded into the enclosing FULL capture, captured as its own
+    /// graph (PIECEWISE capture: the inputs bound by the runner are bound to it), or replayed
+    /// from the graph captured at this position (PIECEWISE replay: `f` is not called).
+    pub fn piece(
+        &mut self,
+        stream: &Stream,
+        f: impl FnOnce(&Stream) -> Result<(), GraphError>,
+    ) -> Result<(), GraphError> {
+        let i = self.next_piece;
+        self.next_piece += 1;
+        match self.phase {
+            Phase::Eager | Phase::CaptureFull => f(stream),
+            Phase::CapturePieces => {
+                stream.begin_capture(&format!("piecewise {} piece {i}", self.desc))?;
+                let recorded = (|| {
+                    for (name, view) in self.inputs {
+                        stream.bind_input(name, view.clone())?;
+                    }
+                    f(stream)
+                })();
+                match recorded {
+                    Ok(()) => {
+                        self.captured.push(stream.end_capture()?);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        // Leave the stream usable; the recorded work is discarded.
+                        let _ = stream.abort_capture();
+                        Err(e)
+                    }
+                }
+            }
+            Phase::ReplayPieces => {
+                let Some(graph) = self.replay.get(i) else {
+                    return Err(GraphError::PieceMismatch {
+                        desc: self.desc,
+                        detail: format!("the forward ran piece {i}, but only {} were captured", self.replay.len()),
+                    });
+                };
+                let given: Vec<(&str, RawView)> = self.inputs.iter().map(|(n, v)| (n.as_str(), v.clone())).collect();
+                graph.replay_with_inputs(stream, &given)?;
+                self.counts.piece_replays += 1;
+                Ok(())
+            }
+        }
+    }
+
+    /// Runs a splitting op (attention) named `name` that writes `outputs`: eagerly, except inside
+    /// a FULL capture where it is recorded with everything else. Every output must be a view of a
+    /// persistent arena buffer ([`GraphError::SplittingOpOutputNotPersistent`] otherwise).
+    pub fn splitting_op(
+        &mut self,
+        stream: &Stream,
+        name: &str,
+        outputs: &[RawView],
+        f: impl FnOnce(&Stream) -> Result<(), GraphError>,
+    ) -> Result<(), GraphError> {
+        if let Some(bad) = outputs.iter().find(|v| self.arena.owner_of(v).is_none()) {
+            return Err(GraphError::SplittingOpOutputNotPersistent {
+                op: name.to_owned(),
+                buffer: bad.label().to_owned(),
+            });
+        }
+        f(stream)?;
+        self.counts.splitting_op_runs += 1;
+        Ok(())
+    }
+
+    /// Ends the forward: checks a replay consumed every captured piece, and hands back the graphs
+    /// a piecewise capture produced.
+    pub(crate) fn finish(self) -> Result<(Vec<Graph>, PieceCounts), GraphError> {
+        if self.phase == Phase::ReplayPieces && self.next_piece != self.replay.len() {
+            return Err(GraphError::PieceMismatch {
+                desc: self.desc,
+                detail: format!("the forward ran {} pieces, but {} were captured", self.next_piece, self.replay.len()),
+            });
+        }
+        if self.phase == Phase::CapturePieces && self.captured.is_empty() {
+            return Err(GraphError::PieceMismatch {
+                desc: self.desc,
+                detail: "the forward ran no piece, so there is nothing to capture".into(),
+            });
+        }
+        Ok((self.captured, self.counts))
+    }
+}
+
+/// The piecewise graphs of one forward: for each PIECEWISE key, one HAL graph per piece, in order.
+#[derive(Debug, Default)]
+pub struct PiecewiseRunner {
+    graphs: HashMap<BatchDescriptor, Vec<Graph>>,
+}
+
+impl PiecewiseRunner {
+    /// No graphs yet.
+    pub fn new() -> PiecewiseRunner {
+        PiecewiseRunner::default()
+    }
+
+    /// The piece graphs captured for `desc` (exact key), in forward order.
+    pub fn pieces(&self, desc: &BatchDescriptor) -> Option<&[Graph]> {
+        self.graphs.get(desc).map(Vec::as_slice)
+    }
+
+    /// Number of descriptors captured.
+    pub fn descriptor_count(&self) -> usize {
+        self.graphs.len()
+    }
+
+    /// Number of HAL graphs held (pieces over all descriptors).
+    pub fn graph_count(&self) -> usize {
+        self.graphs.values().map(Vec::len).sum()
+    }
+
+    /// Sum over all piece graphs of the bytes each keeps alive (buffers shared by several graphs
+    /// are counted once per graph).
+    pub fn retained_bytes_sum(&self) -> u64 {
+        self.graphs.values().flatten().map(Graph::retained_bytes).sum()
+    }
+
+    /// The largest number of bytes one descriptor's pieces keep alive (a buffer counted once per
+    /// piece that uses it).
+    pub fn max_retained_bytes(&self) -> u64 {
+        self.graphs.values().map(|g| g.iter().map(Graph::retained_bytes).max().unwrap_or(0)).max().unwrap_or(0)
+    }
+
+    pub(crate) fn insert(&mut self, desc: BatchDescriptor, pieces: Vec<Graph>) -> bool {
+        self.graphs.insert(desc, pieces).is_some()
+    }
+
+    /// Runs `forward` over a PIECEWISE replay of `desc`'s pieces.
+    pub(crate) fn replay_ctx<'a>(
+        &'a self,
+        arena: &'a PersistentArena,
+        desc: BatchDescriptor,
+        inputs: &'a [(String, RawView)],
+    ) -> Option<PieceCtx<'a>> {
+        let graphs = self.graphs.get(&desc)?;
+        Some(PieceCtx::new(arena, desc, Phase::ReplayPieces, inputs, graphs))
+    }
+}
