@@ -42,7 +42,8 @@ fn block_for(n: usize) -> u32 {
 
 fn launch(st: &Setup, x: &Buffer<f32>) {
     let n = x.len();
-    st.s.launch(&st.touch, LaunchConfig::for_elements(n, block_for(n)), &[x.into(), (n as u32).into()]).expect("launch");
+    st.s.launch(&st.touch, LaunchConfig::for_elements(n, block_for(n)), &[x.into(), (n as u32).into()])
+        .expect("launch");
 }
 
 fn capture(st: &Setup, x: &Buffer<f32>, k: usize) -> Graph {
@@ -182,7 +183,11 @@ fn bench_raw_cudarc(c: &mut Criterion) {
         let mut x = stream.alloc_zeros::<f32>(n).expect("alloc");
         let nn = n as u32;
         let block = block_for(n);
-        let cfg = CuCfg { grid_dim: (n.div_ceil(block as usize) as u32, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        let cfg = CuCfg {
+            grid_dim: (n.div_ceil(block as usize) as u32, 1, 1),
+            block_dim: (block, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let tag = format!("{k}x{n}");
         g.throughput(Throughput::Elements(k as u64));
         let raw_launch = |x: &mut cudarc::driver::CudaSlice<f32>| {

@@ -13,7 +13,8 @@ fn run(device: &str) -> Result<()> {
     let info = dev.info();
     println!("device: {} ({}, arch {}, {} compute units)", info.name, info.backend, info.arch, info.compute_units);
     let m = dev.compile(demo_kernels::source())?;
-    let (axpy, scale, add, gather) = (m.kernel("hf_axpy")?, m.kernel("hf_scale")?, m.kernel("hf_add")?, m.kernel("hf_gather")?);
+    let (axpy, scale, add, gather) =
+        (m.kernel("hf_axpy")?, m.kernel("hf_scale")?, m.kernel("hf_add")?, m.kernel("hf_gather")?);
     let s = dev.create_stream()?;
     let n = 4096usize;
     let nn = n as u32;
@@ -34,7 +35,8 @@ fn run(device: &str) -> Result<()> {
         s.launch(&axpy, cfg, &[(&x).into(), (&y).into(), 3.0f32.into(), nn.into()])?; // y = 3x
         s.launch(&gather, cfg, &[(&y).into(), (&idx).into(), (&out).into(), nn.into()])?; // out = y[idx]
         s.launch(&add, cfg, &[(&out).into(), (&x).into(), (&out).into(), nn.into()])?; // out += x
-        s.launch(&scale, cfg, &[(&out).into(), (&out).into(), 0.5f32.into(), nn.into()]) // out *= 0.5
+        s.launch(&scale, cfg, &[(&out).into(), (&out).into(), 0.5f32.into(), nn.into()])
+        // out *= 0.5
     };
     let host_step = |xs: &[f32], is: &[i32]| -> Vec<f32> {
         (0..n).map(|i| 0.5 * ((if is[i] < 0 { 0.0 } else { 3.0 * xs[is[i] as usize] }) + xs[i])).collect()
@@ -43,7 +45,13 @@ fn run(device: &str) -> Result<()> {
     s.begin_capture("step")?;
     step()?;
     let graph = s.end_capture()?;
-    println!("captured `{}`: {} operations, {} backend nodes, {} buffers retained", graph.label(), graph.op_count(), graph.node_count(), graph.retained_buffers());
+    println!(
+        "captured `{}`: {} operations, {} backend nodes, {} buffers retained",
+        graph.label(),
+        graph.op_count(),
+        graph.node_count(),
+        graph.retained_buffers()
+    );
 
     let mut seed = 0x9E37_79B9_7F4A_7C15u64;
     let mut rand = move || {
@@ -66,7 +74,10 @@ fn run(device: &str) -> Result<()> {
         let bitwise = replayed.iter().zip(&eager).all(|(a, b)| a.to_bits() == b.to_bits());
         let max_err = replayed.iter().zip(&host).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
         if !bitwise || max_err > 1e-4 {
-            return Err(HalError::KernelFailed { kernel: "step".into(), message: format!("replay {r}: bitwise={bitwise} max_err={max_err}") });
+            return Err(HalError::KernelFailed {
+                kernel: "step".into(),
+                message: format!("replay {r}: bitwise={bitwise} max_err={max_err}"),
+            });
         }
     }
     println!("verified: {replays} replays with fresh inputs equal eager execution bit for bit and the host reference (max |err| <= 1e-4)");
@@ -77,8 +88,15 @@ fn run(device: &str) -> Result<()> {
     let err = s.launch(&gather, cfg, &[(&y).into(), (&fresh).into(), (&out).into(), nn.into()]);
     s.abort_capture()?;
     match err {
-        Err(e @ HalError::NotGraphStable { .. }) => println!("verified: a transient buffer in a capture is rejected: {e}"),
-        other => return Err(HalError::KernelFailed { kernel: "sanitizer".into(), message: format!("expected NotGraphStable, got {other:?}") }),
+        Err(e @ HalError::NotGraphStable { .. }) => {
+            println!("verified: a transient buffer in a capture is rejected: {e}")
+        }
+        other => {
+            return Err(HalError::KernelFailed {
+                kernel: "sanitizer".into(),
+                message: format!("expected NotGraphStable, got {other:?}"),
+            })
+        }
     }
 
     // Planted bug: a host-refreshed input that a step forgot to upload.
@@ -89,11 +107,21 @@ fn run(device: &str) -> Result<()> {
     s.copy_from_pinned(&staging, 0, &x.view())?;
     g2.replay(&s)?;
     match g2.replay(&s) {
-        Err(e @ HalError::StaleHostInput { .. }) => println!("verified: a replay over stale host inputs is rejected: {e}"),
-        other => return Err(HalError::KernelFailed { kernel: "sanitizer".into(), message: format!("expected StaleHostInput, got {other:?}") }),
+        Err(e @ HalError::StaleHostInput { .. }) => {
+            println!("verified: a replay over stale host inputs is rejected: {e}")
+        }
+        other => {
+            return Err(HalError::KernelFailed {
+                kernel: "sanitizer".into(),
+                message: format!("expected StaleHostInput, got {other:?}"),
+            })
+        }
     }
     let stats = dev.stats();
-    println!("device memory: {} allocations live, {} bytes, {} host syncs", stats.live_allocations, stats.live_bytes, stats.host_syncs);
+    println!(
+        "device memory: {} allocations live, {} bytes, {} host syncs",
+        stats.live_allocations, stats.live_bytes, stats.host_syncs
+    );
     Ok(())
 }
 

@@ -102,7 +102,10 @@ impl Stream {
     /// Launches `kernel` with `args`, checked against its declared signature.
     pub fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         if kernel.device_id != self.device.id {
-            return Err(HalError::DeviceMismatch(format!("kernel `{}` was compiled for another device", kernel.name())));
+            return Err(HalError::DeviceMismatch(format!(
+                "kernel `{}` was compiled for another device",
+                kernel.name()
+            )));
         }
         cfg.validate(kernel.name())?;
         check_args(kernel.name(), kernel.params(), args)?;
@@ -124,7 +127,12 @@ impl Stream {
     pub fn memset<T: Element>(&self, dst: &View<T>, value: u8) -> Result<()> {
         let v = dst.raw();
         self.same_device(&v, "memset")?;
-        self.enqueue("memset", || [("dst", &v, false)].into_iter(), |_| {}, || self.inner.memset(v.addr(), v.bytes(), value))
+        self.enqueue(
+            "memset",
+            || [("dst", &v, false)].into_iter(),
+            |_| {},
+            || self.inner.memset(v.addr(), v.bytes(), value),
+        )
     }
 
     /// Device-to-device copy of equal-length views.
