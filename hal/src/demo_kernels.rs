@@ -114,7 +114,7 @@ fn row_sum_bf16(l: &CpuLaunch<'_>) -> Result<()> {
 }
 
 /// The demo kernel source: `hf_axpy` (y = a·x + y), `hf_scale` (out = s·x), `hf_add`
-/// (out = a + b), `hf_gather` (out[i] = src[idx[i]], 0 for idx < 0), `hf_touch` (x += 1, a
+/// (out = a + b), `hf_gather` (`out[i] = src[idx[i]]`, 0 for idx < 0), `hf_touch` (x += 1, a
 /// near-empty kernel for overhead measurements) and `hf_row_sum_bf16` (`x [rows, cols]` bf16 →
 /// `out [rows]` f32, one block per row; the CPU sum order differs, so compare within tolerance).
 pub fn source() -> &'static KernelSource {
