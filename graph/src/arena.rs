@@ -183,14 +183,26 @@ impl PersistentArena {
 
     /// The name of the arena buffer `view` lies in, if any (same device address range and label).
     pub fn owner_of(&self, view: &RawView) -> Option<&str> {
-        let (start, end) = (view.addr(), view.addr() + view.bytes() as u64);
-        self.entries
-            .iter()
-            .find(|e| e.name == view.label() && start >= e.addr && end <= e.addr + e.bytes as u64)
-            .map(|e| e.name.as_str())
+        self.entry_of(view).map(|e| e.name.as_str())
     }
 
-    /// Bytes of the distinct arena buffers looked up while a capture was active: the memory the
+    fn entry_of(&self, view: &RawView) -> Option<&Entry> {
+        let (start, end) = (view.addr(), view.addr() + view.bytes() as u64);
+        let i = *self.index.get(view.label())?;
+        let e = &self.entries[i];
+        (start >= e.addr && end <= e.addr + e.bytes as u64).then_some(e)
+    }
+
+    /// Records that a graph uses the arena buffer `view` lies in (the runners call it for the
+    /// inputs they bind); views of other buffers are ignored.
+    pub(crate) fn note_captured(&self, view: &RawView) {
+        if let Some(e) = self.entry_of(view) {
+            e.captured.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Bytes of the distinct arena buffers looked up while a capture was active, or bound as graph
+    /// inputs: the memory the
     /// captured graphs share (each buffer counted once however many graphs use it).
     pub fn captured_bytes(&self) -> usize {
         self.entries.iter().filter(|e| e.captured.load(Ordering::Relaxed)).map(|e| e.bytes).sum()

@@ -130,6 +130,7 @@ impl<'a> PieceCtx<'a> {
                 stream.begin_capture(&format!("piecewise {} piece {i}", self.desc))?;
                 let recorded = (|| {
                     for (name, view) in self.inputs {
+                        self.arena.note_captured(view);
                         stream.bind_input(name, view.clone())?;
                     }
                     f(stream)

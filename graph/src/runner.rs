@@ -300,6 +300,7 @@ impl<F: Forward> GraphRunner<F> {
             RuntimeMode::Full => {
                 stream.begin_capture(&format!("full {desc}"))?;
                 for (name, view) in &inputs {
+                    arena.note_captured(view);
                     stream.bind_input(name, view.clone())?;
                 }
                 let mut ctx = PieceCtx::new(arena, *desc, Phase::CaptureFull, &[], &[]);
