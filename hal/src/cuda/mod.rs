@@ -447,6 +447,9 @@ fn scan_nodes(graph: sys::CUgraph) -> Result<(usize, usize)> {
     let mut n = 0usize;
     // SAFETY: query the node count.
     unsafe { sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut n) }.result().map_err(drv("cuGraphGetNodes"))?;
+    if n == 0 {
+        return Ok((0, 0));
+    }
     let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
     // SAFETY: `nodes` holds `n` entries.
     unsafe { sys::cuGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) }.result().map_err(drv("cuGraphGetNodes"))?;

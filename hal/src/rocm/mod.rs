@@ -471,6 +471,9 @@ fn scan_nodes(graph: hip::hipGraph_t) -> Result<(usize, usize)> {
     let mut n = 0usize;
     // SAFETY: node count query.
     check("hipGraphGetNodes", unsafe { hip::hipGraphGetNodes(graph, std::ptr::null_mut(), &mut n) })?;
+    if n == 0 {
+        return Ok((0, 0));
+    }
     let mut nodes: Vec<hip::hipGraphNode_t> = vec![std::ptr::null_mut(); n];
     // SAFETY: `nodes` holds `n` entries.
     check("hipGraphGetNodes", unsafe { hip::hipGraphGetNodes(graph, nodes.as_mut_ptr(), &mut n) })?;
