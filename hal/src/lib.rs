@@ -46,6 +46,7 @@ mod memory;
 #[cfg(feature = "rocm")]
 pub mod rocm;
 mod stream;
+pub mod testing;
 
 pub use capture::CaptureStatus;
 pub use cpu::{CpuLaunch, CpuPtr};

@@ -9,6 +9,12 @@ fn module(dev: &Device) -> Module {
     dev.compile(demo_kernels::source()).expect("demo kernels compile")
 }
 
+/// Compiles the demo module before a test runs (tests capture, and compilation during capture is
+/// illegal).
+pub fn module_for_setup(dev: &Device) {
+    module(dev);
+}
+
 fn kernel(dev: &Device, name: &str) -> Kernel {
     module(dev).kernel(name).expect("kernel exists")
 }
@@ -327,38 +333,8 @@ fn modules_are_compiled_once_per_device(dev: &Device) {
     }
 }
 
-macro_rules! device_suite {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(
-                #[test]
-                fn $name() {
-                    let dev = holdfast_hal::Device::cpu().expect("the cpu backend always opens");
-                    super::module(&dev);
-                    super::$name(&dev);
-                }
-            )*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(
-                #[test]
-                fn $name() {
-                    match holdfast_hal::Device::open("cuda:0") {
-                        Ok(dev) => {
-                            super::module(&dev);
-                            super::$name(&dev)
-                        }
-                        Err(e) => eprintln!("skipped: cuda:0 is not usable here ({e})"),
-                    }
-                }
-            )*
-        }
-    };
-}
-
-device_suite!(
-    eager_kernels_match_their_host_definition,
+holdfast_hal::device_suite!(
+    setup = super::module_for_setup;     eager_kernels_match_their_host_definition,
     memset_copy_and_views_keep_addresses,
     capture_then_replay_with_new_inputs_equals_eager,
     every_capture_rule_is_enforced_and_the_capture_stays_usable,

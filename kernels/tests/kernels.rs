@@ -181,32 +181,7 @@ fn scan_and_pack_replay_with_fresh_inputs_equal_eager(dev: &Device) {
     }
 }
 
-macro_rules! device_suite {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(
-                #[test]
-                fn $name() {
-                    super::$name(&holdfast_hal::Device::cpu().expect("cpu"));
-                }
-            )*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(
-                #[test]
-                fn $name() {
-                    match holdfast_hal::Device::open("cuda:0") {
-                        Ok(dev) => super::$name(&dev),
-                        Err(e) => eprintln!("skipped: cuda:0 is not usable here ({e})"),
-                    }
-                }
-            )*
-        }
-    };
-}
-
-device_suite!(
+holdfast_hal::device_suite!(
     fill_copy_and_gather_match_their_definitions,
     exclusive_scan_matches_its_definition_at_every_size_class,
     ragged_pack_matches_its_definition,
