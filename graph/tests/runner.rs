@@ -1,6 +1,6 @@
 //! The graph runner against the synthetic forward: every test is written once against `&Device`
-//! and instantiated per backend by `device_suite!` (always on `cpu`; on `cuda:0` when built with
-//! the feature, printing a skip line when no CUDA device is usable).
+//! and instantiated per backend by the HAL's `device_suite!` (always on `cpu`; on `cuda:0` when
+//! built with the feature, printing a `skipped:` line when no CUDA device is usable).
 
 mod common;
 
@@ -284,33 +284,7 @@ fn views_for_smaller_sizes_are_prefixes_at_the_same_address(dev: &Device) {
     assert_eq!(a.bytes("workspace").expect("workspace"), 3 * 32 * 4, "one workspace shared by every size");
 }
 
-macro_rules! device_suite {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(
-                #[test]
-                fn $name() {
-                    let dev = holdfast_hal::Device::cpu().expect("the cpu backend always opens");
-                    super::$name(&dev);
-                }
-            )*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(
-                #[test]
-                fn $name() {
-                    match holdfast_hal::Device::open("cuda:0") {
-                        Ok(dev) => super::$name(&dev),
-                        Err(e) => eprintln!("skipped: cuda:0 is not usable here ({e})"),
-                    }
-                }
-            )*
-        }
-    };
-}
-
-device_suite!(
+holdfast_hal::device_suite!(
     every_mode_replays_bit_identical_to_eager,
     capture_runs_piecewise_before_full_largest_first,
     stats_count_graphs_memory_and_replays,
