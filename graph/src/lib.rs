@@ -20,6 +20,10 @@
 //!    [`Dispatcher::capture_descs`] is the capture list and [`Dispatcher::dispatch`] the per-step
 //!    choice: FULL if its key exists, else PIECEWISE under the relaxed key, else eager, and eager
 //!    unpadded above the largest size.
+//! 5. Every graph-visible buffer lives in a locked [`PersistentArena`]; a [`GraphRunner`] captures
+//!    the keys of [`Dispatcher::capture_descs`] for one [`Forward`] and runs each step as
+//!    dispatched: eagerly, by replaying one FULL graph, or by replaying pieces around eager
+//!    splitting ops ([`PiecewiseRunner`], [`PieceCtx`]).
 //!
 //! Who validates what: everything that comes from configuration (mode strings, size lists, LoRA
 //! counts, query lengths, the caller's mode sets) is checked here and rejected with an error,

@@ -14,6 +14,64 @@
 //! them back at every replay, aborts a failed capture so the stream stays usable, and counts
 //! everything. Recaptures after start-up indicate a bug in the caller and are counted, never
 //! hidden.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use holdfast_graph::*;
+//! use holdfast_hal::{demo_kernels, Device, Kernel, LaunchConfig, Stream};
+//!
+//! /// `y = 2·x` over `[num_tokens]` rows, one piece.
+//! struct Double {
+//!     arena: Arc<PersistentArena>,
+//!     scale: Kernel,
+//!     input: Vec<f32>,
+//! }
+//!
+//! impl Forward for Double {
+//!     fn prepare(&mut self, s: &Stream, d: &BatchDescriptor, kind: StepKind) -> Result<(), GraphError> {
+//!         let n = d.num_tokens as usize;
+//!         let mut x = if kind == StepKind::Step { self.input.clone() } else { Vec::new() };
+//!         x.resize(n, 0.0); // pad to the graph's size
+//!         Ok(s.copy_from_host(&x, &self.arena.view::<f32>("x", n)?)?)
+//!     }
+//!     fn run(&mut self, s: &Stream, d: &BatchDescriptor, _: RuntimeMode, p: &mut PieceCtx<'_>) -> Result<(), GraphError> {
+//!         let (n, a, k) = (d.num_tokens as usize, p.arena(), &self.scale);
+//!         p.piece(s, |s| {
+//!             let (x, y) = (a.view::<f32>("x", n)?, a.view::<f32>("y", n)?);
+//!             let args = [(&x).into(), (&y).into(), 2.0f32.into(), (n as u32).into()];
+//!             Ok(s.launch(k, LaunchConfig::for_elements(n, 128), &args)?)
+//!         })
+//!     }
+//! }
+//!
+//! let dev = Device::cpu()?;
+//! let mut arena = PersistentArena::new(&dev);
+//! arena.alloc::<f32>("x", 8)?;
+//! arena.alloc::<f32>("y", 8)?;
+//! arena.lock();
+//! let arena = Arc::new(arena);
+//! let scale = dev.compile(demo_kernels::source())?.kernel("hf_scale")?;
+//!
+//! let mut d = Dispatcher::new(DispatcherConfig {
+//!     capture_sizes: CaptureSizes::new([4, 8])?,
+//!     max_num_seqs: 8,
+//!     lora: LoraConfig::Disabled,
+//!     attention_is_splitting_op: true,
+//! })?;
+//! d.initialize_keys(GraphMode::Full, 1)?;
+//! let fwd = Double { arena: arena.clone(), scale, input: Vec::new() };
+//! let mut runner = GraphRunner::new(fwd, arena.clone(), &d, RunnerConfig::default())?;
+//! let s = dev.create_stream()?;
+//! runner.capture_all(&s, |done, total, desc| println!("captured {done}/{total}: {desc}"))?;
+//!
+//! runner.forward_mut().input = vec![1.0, 2.0, 3.0];
+//! let (mode, desc) = d.dispatch(3, false, false, 0, ModeSet::ALL, ModeSet::EMPTY)?;
+//! runner.execute(&s, mode, &desc)?; // replays the FULL graph captured for 4 tokens
+//! assert_eq!((mode, desc.num_tokens), (RuntimeMode::Full, 4));
+//! assert_eq!(s.copy_to_host_sync(&arena.view::<f32>("y", 3)?)?, vec![2.0, 4.0, 6.0]);
+//! assert_eq!((runner.stats().replays(RuntimeMode::Full), runner.stats().recaptures), (1, 0));
+//! # Ok::<(), GraphError>(())
+//! ```
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

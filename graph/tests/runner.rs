@@ -243,6 +243,32 @@ fn a_splitting_op_writing_a_fresh_buffer_is_an_error(dev: &Device) {
     assert!(matches!(err, GraphError::SplittingOpOutputNotPersistent { .. }), "{err} ({desc})");
 }
 
+/// The sanitizer counts host writes per buffer, so the first replay of the 8-token graph may still
+/// consume the dummy upload of a later (smaller) key's capture; from the next replay on, a step
+/// that forgot its upload is caught.
+fn a_replay_with_inputs_not_rewritten_is_stale(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let (mut r, mut d) = setup(dev, GraphMode::Full, Bug::ForgetsInput, RunnerConfig::default());
+    r.capture_all(&s, |_, _, _| {}).expect("capture");
+    let _ = step_and_reference(&mut r, &mut d, &s, 8, false, vec![0.5; 8], 0);
+    let err = step_and_reference(&mut r, &mut d, &s, 8, false, vec![0.5; 8], 1).expect_err("stale input");
+    match err.hal() {
+        Some(HalError::StaleHostInput { buffer, .. }) => assert_eq!(buffer, "x"),
+        other => panic!("expected StaleHostInput, got {other:?} ({err})"),
+    }
+}
+
+fn a_piecewise_step_must_run_the_captured_pieces(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let (mut r, mut d) = setup(dev, GraphMode::Piecewise, Bug::SkipsLastPieceInSteps, RunnerConfig::default());
+    r.capture_all(&s, |_, _, _| {}).expect("capture runs all three pieces");
+    let err = step_and_reference(&mut r, &mut d, &s, 8, false, vec![0.5; 8], 0).expect_err("piece count");
+    assert!(
+        matches!(&err, GraphError::PieceMismatch { desc, detail } if desc.num_tokens == 8 && detail.contains("ran 2 pieces, but 3")),
+        "{err}"
+    );
+}
+
 /// The #42444 bug: the plan is built lazily on first use. Without fresh state between warm-up
 /// and capture, warm-up builds it (from dummy metadata), the capture takes the "already planned"
 /// branch, and every replay reuses the warm-up's stale plan. With the hook, the capture records
@@ -295,5 +321,7 @@ holdfast_hal::device_suite!(
     a_data_dependent_view_length_is_an_input_view_mismatch,
     a_splitting_op_writing_a_fresh_buffer_is_an_error,
     lazy_state_must_be_initialised_inside_the_capture,
+    a_replay_with_inputs_not_rewritten_is_stale,
+    a_piecewise_step_must_run_the_captured_pieces,
     views_for_smaller_sizes_are_prefixes_at_the_same_address,
 );

@@ -27,6 +27,10 @@ pub enum Bug {
     DataDependentView,
     /// The first attention op writes a freshly allocated buffer instead of an arena buffer.
     SplittingOpFreshOutput,
+    /// Real steps forget to upload `x` (the graph would replay the previous step's input).
+    ForgetsInput,
+    /// Real steps skip the last piece (control flow that differs from the captured run).
+    SkipsLastPieceInSteps,
 }
 
 struct Kernels {
@@ -201,7 +205,9 @@ impl Forward for Synthetic {
         };
         self.real = real;
         let a = &self.arena;
-        stream.copy_from_host(&xs, &a.view::<f32>("x", n)?)?;
+        if !(self.bug == Bug::ForgetsInput && kind == StepKind::Step) {
+            stream.copy_from_host(&xs, &a.view::<f32>("x", n)?)?;
+        }
         stream.copy_from_host(&meta, &a.view::<f32>("meta", n)?)?;
         for (k, name) in ["idx0", "idx1"].into_iter().enumerate() {
             let idx: Vec<i32> = (0..n)
@@ -289,6 +295,10 @@ impl Forward for Synthetic {
             launch(&k.gather, s, n, &[(&h).into(), (&idx).into(), (&out).into(), (n as u32).into()], &mut cnt)
         })?;
 
+        if self.bug == Bug::SkipsLastPieceInSteps && self.log.last().map(|l| l.0) == Some(StepKind::Step) {
+            self.launches = cnt;
+            return Ok(());
+        }
         pieces.piece(stream, |s| {
             let v = Views::new(a, n, t)?;
             k.add(s, &v.attn, &v.h, &v.ws[2], n, &mut cnt)?;

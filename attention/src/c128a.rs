@@ -1,0 +1,178 @@
+//! c128a (heavily compressed attention) metadata builder (spec §5.2, ragged form of §5.4).
+
+use holdfast_graph::CgSupport;
+use holdfast_hal::{Buffer, Device, Stream, View};
+use holdfast_kernels::Kernels;
+
+use crate::common::{
+    counting_syncs, persistent_alloc, BufferAlloc, BuildStats, CommonAttentionMetadata, CommonConfig, Ragged,
+    RaggedBuffers, StepLayout, TableKind,
+};
+use crate::error::{AttentionError, Result};
+use crate::source::{row_grid, AttnKernels};
+
+/// Tokens per c128a compressed entry.
+pub const C128A_RATIO: usize = 128;
+/// Row-width alignment of the c128a index buffers (FlashMLA's `B_TOPK`).
+pub const C128A_ALIGN: usize = 128;
+
+/// `round_up(ceil(max_model_len / 128), 128)`: the width of every c128a index row.
+pub fn c128a_max_compressed(max_model_len: usize) -> usize {
+    max_model_len.div_ceil(C128A_RATIO).div_ceil(C128A_ALIGN) * C128A_ALIGN
+}
+
+/// Decode-row c128a metadata (rows `[0, num_decode_tokens)`).
+#[derive(Clone, Debug)]
+pub struct C128aDecode {
+    /// `[num_decode_tokens, max_compressed]` global c128a slots, -1 after each row's length.
+    pub indices: View<i32>,
+    /// `[num_decode_tokens]` valid entries: `min((pos + 1) / 128, max_compressed)`, 0 for invalid.
+    pub lens: View<i32>,
+    /// The same rows in ragged form, `max_entries_per_row = max_compressed`.
+    pub ragged: Ragged,
+}
+
+/// Everything the c128a builder produced for one step.
+#[derive(Clone, Debug)]
+pub struct C128aMetadata {
+    /// The step's shape.
+    pub layout: StepLayout,
+    /// Present when the step has decode rows.
+    pub decode: Option<C128aDecode>,
+    /// `[num_prefill_tokens, max_compressed]` local compressed indices `0 .. n − 1`, -1 after;
+    /// present when the step has prefill tokens.
+    pub prefill_indices: Option<View<i32>>,
+    /// Launches and host syncs of this build.
+    pub stats: BuildStats,
+}
+
+/// Builds, per token, the list of every compressed c128a entry visible to it.
+pub struct C128aBuilder {
+    width: usize,
+    cbs: usize,
+    max_tokens: usize,
+    kernels: Kernels,
+    attn: AttnKernels,
+    decode: Buffer<i32>,
+    lens: Buffer<i32>,
+    prefill: Buffer<i32>,
+    ragged: RaggedBuffers,
+}
+
+impl std::fmt::Debug for C128aBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "C128aBuilder(width {}, {} tokens)", self.width, self.max_tokens)
+    }
+}
+
+impl C128aBuilder {
+    /// The graph support this builder declares.
+    pub const CG_SUPPORT: CgSupport = CgSupport::UniformBatch;
+
+    /// A builder whose rows are `c128a_max_compressed(cfg.max_model_len)` wide; the compressed
+    /// block size is `cfg.kv_table.block_size / 128` entries.
+    pub fn new(dev: &Device, cfg: &CommonConfig) -> Result<Self> {
+        Self::new_with_alloc(dev, cfg, &persistent_alloc)
+    }
+
+    /// As [`C128aBuilder::new`], allocating every output buffer with `alloc`.
+    pub fn new_with_alloc(dev: &Device, cfg: &CommonConfig, alloc: BufferAlloc<'_>) -> Result<Self> {
+        let bs = cfg.kv_table.block_size;
+        if bs % C128A_RATIO != 0 {
+            return Err(AttentionError::Config(format!("KV block size {bs} is not a multiple of {C128A_RATIO}")));
+        }
+        let width = c128a_max_compressed(cfg.max_model_len);
+        let t = cfg.max_num_batched_tokens;
+        let ragged = RaggedBuffers::new(dev, alloc, "attn.c128a.ragged", t, width)?;
+        Ok(C128aBuilder {
+            width,
+            cbs: bs / C128A_RATIO,
+            max_tokens: t,
+            kernels: Kernels::new(dev)?,
+            attn: AttnKernels::new(dev)?,
+            decode: alloc(dev, "attn.c128a.global_decode", (t * width).max(1))?,
+            lens: alloc(dev, "attn.c128a.decode_lens", t)?,
+            prefill: alloc(dev, "attn.c128a.prefill", (t * width).max(1))?,
+            ragged,
+        })
+    }
+
+    /// Row width: `round_up(ceil(max_model_len / 128), 128)` entries.
+    pub fn max_compressed(&self) -> usize {
+        self.width
+    }
+
+    /// Fills every output buffer, whole, with `value` (tests poison outputs so that unwritten
+    /// elements show). One launch per buffer on `s`.
+    pub fn fill_outputs(&self, s: &Stream, value: i32) -> Result<()> {
+        for b in [&self.decode, &self.lens, &self.prefill, &self.ragged.indptr, &self.ragged.flat] {
+            self.kernels.fill_i32(s, &b.view(), value)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the step's c128a build on `s`: at most 4 launches, no host sync.
+    pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata) -> Result<C128aMetadata> {
+        let c = common.config();
+        if c.max_num_batched_tokens > self.max_tokens || c128a_max_compressed(c.max_model_len) != self.width {
+            return Err(AttentionError::Mismatch(format!(
+                "common metadata sized for {} tokens / width {}, c128a builder for {} / {}",
+                c.max_num_batched_tokens,
+                c128a_max_compressed(c.max_model_len),
+                self.max_tokens,
+                self.width
+            )));
+        }
+        let layout = common.layout()?;
+        let dev = common.device().clone();
+        let ((decode, prefill_indices, launches), host_syncs) = counting_syncs(&dev, || {
+            let mut launches = 0;
+            let (d, w) = (layout.num_decode_tokens, self.width);
+            let bt = common.table_config(TableKind::Kv);
+            let decode = if d > 0 {
+                let (indices, lens) = (self.decode.prefix(d * w)?, self.lens.slice(0, d)?);
+                let args = [
+                    (&common.positions()?.slice(0, d)?).into(),
+                    (&common.slot_mapping()?.slice(0, d)?).into(),
+                    (&common.token_to_req()?.slice(0, d)?).into(),
+                    (&common.block_table(TableKind::Kv)?).into(),
+                    (&indices).into(),
+                    (&lens).into(),
+                    (d as u32).into(),
+                    (w as u32).into(),
+                    (C128A_RATIO as u32).into(),
+                    (self.cbs as u32).into(),
+                    (bt.max_blocks_per_seq as u32).into(),
+                ];
+                s.launch(&self.attn.c128a_decode, row_grid(d, 128), &args)?;
+                let ragged = self.ragged.views(d)?;
+                self.kernels.exclusive_scan_i32(s, &lens, &ragged.indptr)?;
+                self.kernels.ragged_pack_i32(s, &indices, &lens, &ragged.indptr, &ragged.indices, w, None)?;
+                launches += 3;
+                Some(C128aDecode { indices, lens, ragged })
+            } else {
+                None
+            };
+            let p = layout.num_prefill_tokens;
+            let prefill = if p > 0 {
+                let out = self.prefill.prefix(p * w)?;
+                let args = [
+                    (&common.positions()?.slice(d, p)?).into(),
+                    (&common.slot_mapping()?.slice(d, p)?).into(),
+                    (&common.token_to_req()?.slice(d, p)?).into(),
+                    (&out).into(),
+                    (p as u32).into(),
+                    (w as u32).into(),
+                    (C128A_RATIO as u32).into(),
+                ];
+                s.launch(&self.attn.c128a_prefill, row_grid(p, 128), &args)?;
+                launches += 1;
+                Some(out)
+            } else {
+                None
+            };
+            Ok((decode, prefill, launches))
+        })?;
+        Ok(C128aMetadata { layout, decode, prefill_indices, stats: BuildStats { launches, host_syncs } })
+    }
+}

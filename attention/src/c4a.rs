@@ -1,0 +1,169 @@
+//! c4a (compressed sparse attention) decode metadata: indexer top-k → global ragged (spec §5.4,
+//! `compute_global_topk_ragged_indices_and_indptr`), entirely on the device.
+
+use holdfast_graph::CgSupport;
+use holdfast_hal::{Buffer, Device, Stream, View};
+use holdfast_kernels::Kernels;
+
+use crate::common::{
+    counting_syncs, persistent_alloc, BufferAlloc, BuildStats, CommonAttentionMetadata, CommonConfig, Ragged,
+    RaggedBuffers, StepLayout, TableKind,
+};
+use crate::error::{AttentionError, Result};
+use crate::source::{row_grid, AttnKernels, C4A_THREADS};
+
+/// Tokens per c4a compressed entry.
+pub const C4A_RATIO: usize = 4;
+
+/// Decode-row c4a metadata (rows `[0, num_decode_tokens)`).
+#[derive(Clone, Debug)]
+pub struct C4aDecode {
+    /// `[num_decode_tokens]` kept top-k entries per row (0 for invalid tokens).
+    pub lens: View<i32>,
+    /// Global c4a slots of the kept entries in row order, `max_entries_per_row = topk`.
+    pub ragged: Ragged,
+}
+
+/// Everything the c4a builder produced for one step.
+#[derive(Clone, Debug)]
+pub struct C4aMetadata {
+    /// The step's shape.
+    pub layout: StepLayout,
+    /// Present when the step has decode rows.
+    pub decode: Option<C4aDecode>,
+    /// Launches and host syncs of this build.
+    pub stats: BuildStats,
+}
+
+/// Turns the indexer's local top-k compressed positions into global ragged slot lists.
+///
+/// An entry `v` of token `t`'s row is kept iff `t` is valid and `0 ≤ v < (pos + 1) / 4` (the
+/// compressed entries that exist for it); kept entries keep their row order.
+pub struct C4aBuilder {
+    topk: usize,
+    cbs: usize,
+    max_tokens: usize,
+    kernels: Kernels,
+    attn: AttnKernels,
+    lens: Buffer<i32>,
+    ragged: RaggedBuffers,
+}
+
+impl std::fmt::Debug for C4aBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "C4aBuilder(topk {}, {} tokens)", self.topk, self.max_tokens)
+    }
+}
+
+impl C4aBuilder {
+    /// The graph support this builder declares.
+    pub const CG_SUPPORT: CgSupport = CgSupport::UniformBatch;
+
+    /// A builder for `topk` (`index_topk`) entries per token; the compressed block size is
+    /// `cfg.kv_table.block_size / 4` entries.
+    pub fn new(dev: &Device, cfg: &CommonConfig, topk: usize) -> Result<Self> {
+        Self::new_with_alloc(dev, cfg, topk, &persistent_alloc)
+    }
+
+    /// As [`C4aBuilder::new`], allocating every output buffer with `alloc`.
+    pub fn new_with_alloc(dev: &Device, cfg: &CommonConfig, topk: usize, alloc: BufferAlloc<'_>) -> Result<Self> {
+        let bs = cfg.kv_table.block_size;
+        if bs % C4A_RATIO != 0 {
+            return Err(AttentionError::Config(format!("KV block size {bs} is not a multiple of {C4A_RATIO}")));
+        }
+        if topk == 0 {
+            return Err(AttentionError::Config("index_topk must be positive".into()));
+        }
+        let t = cfg.max_num_batched_tokens;
+        let ragged = RaggedBuffers::new(dev, alloc, "attn.c4a.ragged", t, topk)?;
+        Ok(C4aBuilder {
+            topk,
+            cbs: bs / C4A_RATIO,
+            max_tokens: t,
+            kernels: Kernels::new(dev)?,
+            attn: AttnKernels::new(dev)?,
+            lens: alloc(dev, "attn.c4a.decode_lens", t)?,
+            ragged,
+        })
+    }
+
+    /// Entries per top-k row.
+    pub fn topk(&self) -> usize {
+        self.topk
+    }
+
+    /// Fills every output buffer, whole, with `value` (tests poison outputs so that unwritten
+    /// elements show). One launch per buffer on `s`.
+    pub fn fill_outputs(&self, s: &Stream, value: i32) -> Result<()> {
+        for b in [&self.lens, &self.ragged.indptr, &self.ragged.flat] {
+            self.kernels.fill_i32(s, &b.view(), value)?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the step's c4a decode build on `s` from `topk_indices` (`[≥ num_decode_tokens,
+    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 3 launches,
+    /// no host sync.
+    pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata, topk_indices: &View<i32>) -> Result<C4aMetadata> {
+        let c = common.config();
+        if c.max_num_batched_tokens > self.max_tokens {
+            return Err(AttentionError::Mismatch(format!(
+                "common metadata sized for {} tokens, c4a builder for {}",
+                c.max_num_batched_tokens, self.max_tokens
+            )));
+        }
+        let layout = common.layout()?;
+        let (d, k) = (layout.num_decode_tokens, self.topk);
+        if topk_indices.len() < d * k {
+            return Err(AttentionError::Mismatch(format!(
+                "top-k indices hold {} entries, [{d}, {k}] needs {}",
+                topk_indices.len(),
+                d * k
+            )));
+        }
+        let dev = common.device().clone();
+        let ((decode, launches), host_syncs) = counting_syncs(&dev, || {
+            if d == 0 {
+                return Ok((None, 0));
+            }
+            let bt = common.table_config(TableKind::Kv);
+            let topk = topk_indices.slice(0, d * k)?;
+            let (pos, slots, req) = (
+                common.positions()?.slice(0, d)?,
+                common.slot_mapping()?.slice(0, d)?,
+                common.token_to_req()?.slice(0, d)?,
+            );
+            let lens = self.lens.slice(0, d)?;
+            let ragged = self.ragged.views(d)?;
+            let count = [
+                (&topk).into(),
+                (&pos).into(),
+                (&slots).into(),
+                (&req).into(),
+                (&lens).into(),
+                (d as u32).into(),
+                (k as u32).into(),
+                (C4A_RATIO as u32).into(),
+            ];
+            s.launch(&self.attn.c4a_count, row_grid(d, C4A_THREADS), &count)?;
+            self.kernels.exclusive_scan_i32(s, &lens, &ragged.indptr)?;
+            let pack = [
+                (&topk).into(),
+                (&pos).into(),
+                (&slots).into(),
+                (&req).into(),
+                (&common.block_table(TableKind::Kv)?).into(),
+                (&ragged.indptr).into(),
+                (&ragged.indices).into(),
+                (d as u32).into(),
+                (k as u32).into(),
+                (C4A_RATIO as u32).into(),
+                (self.cbs as u32).into(),
+                (bt.max_blocks_per_seq as u32).into(),
+            ];
+            s.launch(&self.attn.c4a_pack, row_grid(d, C4A_THREADS), &pack)?;
+            Ok((Some(C4aDecode { lens, ragged }), 3))
+        })?;
+        Ok(C4aMetadata { layout, decode, stats: BuildStats { launches, host_syncs } })
+    }
+}

@@ -1,0 +1,51 @@
+//! # holdfast-attention: DeepSeek-V4 sparse MLA and SWA metadata
+//!
+//! Per step, the host hands [`CommonAttentionMetadata::stage`] the scheduler's inputs (query
+//! offsets, sequence lengths, positions, slot mapping, two block tables). They are validated and
+//! padded on the host — bad input is an [`AttentionError::InvalidInput`] before anything is
+//! enqueued — and written to pinned staging. Everything after that is device work on the step's
+//! stream: [`CommonAttentionMetadata::upload`] copies the staging into persistent buffers, and the
+//! builders ([`SwaBuilder`], [`C128aBuilder`], [`C4aBuilder`]) turn it into dense and ragged index
+//! lists with kernels of [`source`] and the generic scan / pack of `holdfast-kernels`.
+//!
+//! ## Design choices
+//! - **Zero host syncs.** vLLM reads `nnz` back (`.item()`) once per ragged builder per step. Here
+//!   the flat buffer of a ragged form is sized for the worst case at construction (`rows ×
+//!   max_entries_per_row`), `indptr` is an on-device exclusive scan, and consumers bound each row
+//!   by `indptr`; nothing needs the total on the host. [`BuildStats::host_syncs`] measures it.
+//! - **Views depend only on the padded row count.** Every view handed out is a prefix (or a fixed
+//!   slice) of a persistent buffer whose length is a function of [`StepLayout`]'s padded counts,
+//!   never of the data, and a ragged `indices` view is never empty. A FULL graph captured at `n`
+//!   rows therefore replays with any batch of `n` padded rows staged into the same pinned memory.
+//! - **Uniform batches only in FULL graphs.** The builders declare
+//!   [`holdfast_graph::CgSupport::UniformBatch`]: the decode/prefill split (threshold
+//!   `1 + num_spec_tokens`) is decided on the host from the staged step, and on the fast path
+//!   (every query ≤ threshold) all padded rows are decode rows, so the split is the captured one.
+//! - **Padding reads nothing.** Padded tokens have slot -1 and request -1; every kernel gives them
+//!   length 0 and a row of -1.
+//! - **Who validates what.** [`CommonAttentionMetadata::stage`] validates host data (lengths,
+//!   positions against sequence lengths, block ids against the cache, sizes against the
+//!   construction limits). Device data (the indexer's top-k) cannot be checked on the host, so the
+//!   c4a kernels keep only entries that name an existing compressed position.
+//! - Builders allocate only at construction ([`holdfast_hal::Device::alloc_persistent`] by
+//!   default; the `new_with_alloc` constructors exist so tests can plant a non-persistent buffer
+//!   and see the capture reject it).
+
+mod c128a;
+mod c4a;
+mod common;
+mod error;
+mod layer;
+pub mod source;
+mod swa;
+
+pub use c128a::{c128a_max_compressed, C128aBuilder, C128aDecode, C128aMetadata, C128A_ALIGN, C128A_RATIO};
+pub use c4a::{C4aBuilder, C4aDecode, C4aMetadata, C4A_RATIO};
+pub use common::{
+    persistent_alloc, BlockTableConfig, BufferAlloc, BuildStats, CommonAttentionMetadata, CommonConfig, Ragged,
+    StepInput, StepLayout, TableKind,
+};
+pub use error::{AttentionError, Result};
+pub use layer::LayerKind;
+pub use source::C4A_THREADS;
+pub use swa::{SwaBuilder, SwaDecode, SwaMetadata, SwaPrefill};

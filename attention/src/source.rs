@@ -1,0 +1,391 @@
+//! DeepSeek-V4 metadata kernels: CUDA C that is also valid HIP, with their CPU references.
+//!
+//! All of them map 32-bit positions, slots and block ids, so the CPU references and the device
+//! kernels agree bit for bit. Launch shapes depend only on view lengths (padded row counts),
+//! never on contents. A token is valid when its slot is ≥ 0 and it belongs to a request (≥ 0).
+
+use std::sync::OnceLock;
+
+use holdfast_hal::{CpuLaunch, CpuPtr, KernelEntry, KernelSource, Param, Result, ScalarKind};
+
+const CODE: &str = r#"
+// Global slot of token position p through one block-table row.
+__device__ __forceinline__ int32_t hf_slot(const int32_t* row, int32_t p, int32_t bs) {
+    return row[p / bs] * bs + p % bs;
+}
+
+// One block per decode token: indices[t, j] = SWA slot of position max(pos - window + 1, 0) + j
+// for j < len = min(pos + 1, window), -1 after; len 0 and an all -1 row for invalid tokens.
+HF_KERNEL void hf_dsv4_swa_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
+                                  const int32_t* block_table, int32_t* indices, int32_t* lens, uint32_t n,
+                                  uint32_t window, uint32_t block_size, uint32_t bt_width) {
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        int32_t req = tok_req[t];
+        bool valid = slots[t] >= 0 && req >= 0;
+        int32_t pos = valid ? positions[t] : 0;
+        int32_t start = pos - (int32_t)window + 1;
+        if (start < 0) start = 0;
+        int32_t len = valid ? pos + 1 - start : 0;
+        const int32_t* row = block_table + (uint64_t)(valid ? req : 0) * bt_width;
+        for (uint32_t j = threadIdx.x; j < window; j += blockDim.x) {
+            int32_t v = (int32_t)j < len ? hf_slot(row, start + (int32_t)j, (int32_t)block_size) : -1;
+            indices[(uint64_t)t * window + j] = v;
+        }
+        if (threadIdx.x == 0) lens[t] = len;
+    }
+}
+
+// One thread per prefill request: gather_lens[i] = query_len + min(seq_len - query_len, window - 1).
+HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t* seq_lens, int32_t* out,
+                                               uint32_t n, uint32_t window) {
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        int32_t q = qsl[i + 1] - qsl[i];
+        int32_t prefix = seq_lens[i] - q;
+        int32_t w = (int32_t)window - 1;
+        out[i] = q + (prefix < w ? prefix : w);
+    }
+}
+
+// One block per decode token: the first n = min((pos + 1) / ratio, width) compressed entries'
+// global slots (compressed block size cbs), -1 after; lens[t] = n, 0 (and all -1) if invalid.
+HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
+                                    const int32_t* block_table, int32_t* indices, int32_t* lens, uint32_t n,
+                                    uint32_t width, uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        int32_t req = tok_req[t];
+        bool valid = slots[t] >= 0 && req >= 0;
+        uint32_t c = valid ? ((uint32_t)positions[t] + 1u) / ratio : 0u;
+        if (c > width) c = width;
+        const int32_t* row = block_table + (uint64_t)(valid ? req : 0) * bt_width;
+        for (uint32_t j = threadIdx.x; j < width; j += blockDim.x)
+            indices[(uint64_t)t * width + j] = j < c ? hf_slot(row, (int32_t)j, (int32_t)cbs) : -1;
+        if (threadIdx.x == 0) lens[t] = (int32_t)c;
+    }
+}
+
+// One block per prefill token: local indices 0 .. n - 1 of its visible compressed entries, -1 after.
+HF_KERNEL void hf_dsv4_c128a_prefill(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
+                                     int32_t* indices, uint32_t n, uint32_t width, uint32_t ratio) {
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        bool valid = slots[t] >= 0 && tok_req[t] >= 0;
+        uint32_t c = valid ? ((uint32_t)positions[t] + 1u) / ratio : 0u;
+        if (c > width) c = width;
+        for (uint32_t j = threadIdx.x; j < width; j += blockDim.x)
+            indices[(uint64_t)t * width + j] = j < c ? (int32_t)j : -1;
+    }
+}
+
+// c4a top-k: entry v of token t's row is kept iff the token is valid and 0 <= v < (pos + 1) / ratio
+// (a compressed entry that exists). Blocks of exactly HF_C4A_THREADS threads, one block per token.
+#define HF_C4A_THREADS 128
+__device__ __forceinline__ bool hf_c4a_keep(int32_t v, int32_t avail) { return v >= 0 && v < avail; }
+
+// lens[t] = kept entries of row t.
+HF_KERNEL void hf_dsv4_c4a_count(const int32_t* topk, const int32_t* positions, const int32_t* slots,
+                                 const int32_t* tok_req, int32_t* lens, uint32_t n, uint32_t k, uint32_t ratio) {
+    __shared__ int32_t part[HF_C4A_THREADS];
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        bool valid = slots[t] >= 0 && tok_req[t] >= 0;
+        int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
+        int32_t c = 0;
+        for (uint32_t j = threadIdx.x; j < k; j += HF_C4A_THREADS) c += hf_c4a_keep(topk[(uint64_t)t * k + j], avail);
+        part[threadIdx.x] = c;
+        __syncthreads();
+        for (uint32_t s = HF_C4A_THREADS / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) lens[t] = part[0];
+        __syncthreads();
+    }
+}
+
+// flat[indptr[t] + i] = global slot of the i-th kept entry of row t (row order preserved).
+// Thread h owns the contiguous chunk [h * ceil(k / T), ...) so a block scan keeps the order.
+HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, const int32_t* slots,
+                                const int32_t* tok_req, const int32_t* block_table, const int32_t* indptr,
+                                int32_t* flat, uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs,
+                                uint32_t bt_width) {
+    __shared__ int32_t part[HF_C4A_THREADS];
+    uint32_t chunk = (k + HF_C4A_THREADS - 1) / HF_C4A_THREADS;
+    uint32_t begin = threadIdx.x * chunk;
+    uint32_t end = begin + chunk < k ? begin + chunk : k;
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        int32_t req = tok_req[t];
+        bool valid = slots[t] >= 0 && req >= 0;
+        int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
+        const int32_t* in = topk + (uint64_t)t * k;
+        int32_t c = 0;
+        for (uint32_t j = begin; j < end; ++j) c += hf_c4a_keep(in[j], avail);
+        part[threadIdx.x] = c;
+        __syncthreads();
+        for (uint32_t off = 1; off < HF_C4A_THREADS; off <<= 1) {
+            int32_t v = threadIdx.x >= off ? part[threadIdx.x - off] : 0;
+            __syncthreads();
+            part[threadIdx.x] += v;
+            __syncthreads();
+        }
+        int32_t out = indptr[t] + part[threadIdx.x] - c;
+        const int32_t* row = block_table + (uint64_t)(valid ? req : 0) * bt_width;
+        for (uint32_t j = begin; j < end; ++j) {
+            int32_t v = in[j];
+            if (hf_c4a_keep(v, avail)) flat[out++] = hf_slot(row, v, (int32_t)cbs);
+        }
+        __syncthreads();
+    }
+}
+"#;
+
+/// Threads per block of the c4a kernels (their launchers must use exactly this many).
+pub const C4A_THREADS: u32 = 128;
+
+/// `(valid, position, request)` of token `t`.
+fn token(pos: &CpuPtr<'_, i32>, slots: &CpuPtr<'_, i32>, req: &CpuPtr<'_, i32>, t: usize) -> Result<(bool, i64, i64)> {
+    let r = req.get(t)?;
+    let valid = slots.get(t)? >= 0 && r >= 0;
+    Ok((valid, if valid { i64::from(pos.get(t)?) } else { 0 }, i64::from(r)))
+}
+
+fn slot(bt: &CpuPtr<'_, i32>, row: i64, width: usize, p: i64, bs: i64) -> Result<i32> {
+    let block = bt.get_signed(row * width as i64 + p / bs)?;
+    Ok((i64::from(block) * bs + p % bs) as i32)
+}
+
+fn swa_decode(l: &CpuLaunch<'_>) -> Result<()> {
+    let (pos, slots, req, bt) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (idx, lens) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?);
+    let (n, window, bs, w) = (l.count(6)?, l.count(7)?, l.count(8)? as i64, l.count(9)?);
+    let mut row = vec![-1i32; window];
+    for t in 0..n {
+        let (valid, p, r) = token(&pos, &slots, &req, t)?;
+        let start = (p - window as i64 + 1).max(0);
+        let len = if valid { p + 1 - start } else { 0 };
+        row.fill(-1);
+        for (j, v) in row.iter_mut().enumerate().take(len as usize) {
+            *v = slot(&bt, r, w, start + j as i64, bs)?;
+        }
+        idx.write(t * window, &row)?;
+        lens.set(t, len as i32)?;
+    }
+    Ok(())
+}
+
+fn swa_prefill_gather_lens(l: &CpuLaunch<'_>) -> Result<()> {
+    let (qsl, seq, out) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?);
+    let (n, window) = (l.count(3)?, l.count(4)? as i32);
+    for i in 0..n {
+        let q = qsl.get(i + 1)?.wrapping_sub(qsl.get(i)?);
+        let prefix = seq.get(i)?.wrapping_sub(q);
+        out.set(i, q.wrapping_add(prefix.min(window - 1)))?;
+    }
+    Ok(())
+}
+
+fn compressed_count(valid: bool, p: i64, ratio: i64, width: usize) -> usize {
+    if valid {
+        (((p + 1) / ratio) as usize).min(width)
+    } else {
+        0
+    }
+}
+
+fn c128a_decode(l: &CpuLaunch<'_>) -> Result<()> {
+    let (pos, slots, req, bt) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (idx, lens) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?);
+    let (n, width, ratio, cbs, w) = (l.count(6)?, l.count(7)?, l.count(8)? as i64, l.count(9)? as i64, l.count(10)?);
+    let mut row = vec![-1i32; width];
+    for t in 0..n {
+        let (valid, p, r) = token(&pos, &slots, &req, t)?;
+        let c = compressed_count(valid, p, ratio, width);
+        row.fill(-1);
+        for (j, v) in row.iter_mut().enumerate().take(c) {
+            *v = slot(&bt, r, w, j as i64, cbs)?;
+        }
+        idx.write(t * width, &row)?;
+        lens.set(t, c as i32)?;
+    }
+    Ok(())
+}
+
+fn c128a_prefill(l: &CpuLaunch<'_>) -> Result<()> {
+    let (pos, slots, req, idx) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (n, width, ratio) = (l.count(4)?, l.count(5)?, l.count(6)? as i64);
+    let mut row = vec![-1i32; width];
+    for t in 0..n {
+        let (valid, p, _) = token(&pos, &slots, &req, t)?;
+        let c = compressed_count(valid, p, ratio, width);
+        for (j, v) in row.iter_mut().enumerate() {
+            *v = if j < c { j as i32 } else { -1 };
+        }
+        idx.write(t * width, &row)?;
+    }
+    Ok(())
+}
+
+fn c4a_count(l: &CpuLaunch<'_>) -> Result<()> {
+    let (topk, pos, slots, req, lens) =
+        (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?, l.ptr::<i32>(4)?);
+    let (n, k, ratio) = (l.count(5)?, l.count(6)?, l.count(7)? as i64);
+    for t in 0..n {
+        let (valid, p, _) = token(&pos, &slots, &req, t)?;
+        let avail = if valid { (p + 1) / ratio } else { 0 };
+        let row = topk.read(t * k, k)?;
+        let c = row.iter().filter(|&&v| v >= 0 && i64::from(v) < avail).count();
+        lens.set(t, c as i32)?;
+    }
+    Ok(())
+}
+
+fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
+    let (topk, pos, slots, req) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (bt, indptr, flat) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?);
+    let (n, k, ratio, cbs, w) = (l.count(7)?, l.count(8)?, l.count(9)? as i64, l.count(10)? as i64, l.count(11)?);
+    let mut out = Vec::with_capacity(k);
+    for t in 0..n {
+        let (valid, p, r) = token(&pos, &slots, &req, t)?;
+        let avail = if valid { (p + 1) / ratio } else { 0 };
+        out.clear();
+        for v in topk.read(t * k, k)? {
+            if v >= 0 && i64::from(v) < avail {
+                out.push(slot(&bt, r, w, i64::from(v), cbs)?);
+            }
+        }
+        if out.is_empty() {
+            continue;
+        }
+        let base = indptr.get(t)?;
+        let base = usize::try_from(base).map_err(|_| l.fail(format!("indptr[{t}] = {base} is negative")))?;
+        flat.write(base, &out)?;
+    }
+    Ok(())
+}
+
+/// The `holdfast_attention` kernel source with all entry points.
+pub fn source() -> &'static KernelSource {
+    static SRC: OnceLock<KernelSource> = OnceLock::new();
+    SRC.get_or_init(|| {
+        let u = |n| Param::scalar(n, ScalarKind::U32);
+        let inp = Param::input::<i32>;
+        let out = Param::output::<i32>;
+        KernelSource {
+            name: "holdfast_attention",
+            code: CODE,
+            entries: vec![
+                KernelEntry {
+                    name: "hf_dsv4_swa_decode",
+                    params: vec![
+                        inp("positions"),
+                        inp("slots"),
+                        inp("tok_req"),
+                        inp("block_table"),
+                        out("indices"),
+                        out("lens"),
+                        u("n"),
+                        u("window"),
+                        u("block_size"),
+                        u("bt_width"),
+                    ],
+                    cpu: swa_decode,
+                },
+                KernelEntry {
+                    name: "hf_dsv4_swa_prefill_gather_lens",
+                    params: vec![inp("qsl"), inp("seq_lens"), out("out"), u("n"), u("window")],
+                    cpu: swa_prefill_gather_lens,
+                },
+                KernelEntry {
+                    name: "hf_dsv4_c128a_decode",
+                    params: vec![
+                        inp("positions"),
+                        inp("slots"),
+                        inp("tok_req"),
+                        inp("block_table"),
+                        out("indices"),
+                        out("lens"),
+                        u("n"),
+                        u("width"),
+                        u("ratio"),
+                        u("cbs"),
+                        u("bt_width"),
+                    ],
+                    cpu: c128a_decode,
+                },
+                KernelEntry {
+                    name: "hf_dsv4_c128a_prefill",
+                    params: vec![
+                        inp("positions"),
+                        inp("slots"),
+                        inp("tok_req"),
+                        out("indices"),
+                        u("n"),
+                        u("width"),
+                        u("ratio"),
+                    ],
+                    cpu: c128a_prefill,
+                },
+                KernelEntry {
+                    name: "hf_dsv4_c4a_count",
+                    params: vec![
+                        inp("topk"),
+                        inp("positions"),
+                        inp("slots"),
+                        inp("tok_req"),
+                        out("lens"),
+                        u("n"),
+                        u("k"),
+                        u("ratio"),
+                    ],
+                    cpu: c4a_count,
+                },
+                KernelEntry {
+                    name: "hf_dsv4_c4a_pack",
+                    params: vec![
+                        inp("topk"),
+                        inp("positions"),
+                        inp("slots"),
+                        inp("tok_req"),
+                        inp("block_table"),
+                        inp("indptr"),
+                        out("flat"),
+                        u("n"),
+                        u("k"),
+                        u("ratio"),
+                        u("cbs"),
+                        u("bt_width"),
+                    ],
+                    cpu: c4a_pack,
+                },
+            ],
+        }
+    })
+}
+
+/// One block per row (at least one, at most 65535 blocks; kernels loop over the rest).
+pub(crate) fn row_grid(rows: usize, block: u32) -> holdfast_hal::LaunchConfig {
+    holdfast_hal::LaunchConfig::blocks(rows.clamp(1, 65535) as u32, block)
+}
+
+/// The compiled DeepSeek-V4 metadata kernels of one device.
+#[derive(Clone, Debug)]
+pub(crate) struct AttnKernels {
+    pub(crate) swa_decode: holdfast_hal::Kernel,
+    pub(crate) swa_prefill_gather_lens: holdfast_hal::Kernel,
+    pub(crate) c128a_decode: holdfast_hal::Kernel,
+    pub(crate) c128a_prefill: holdfast_hal::Kernel,
+    pub(crate) c4a_count: holdfast_hal::Kernel,
+    pub(crate) c4a_pack: holdfast_hal::Kernel,
+}
+
+impl AttnKernels {
+    /// Compiles (or fetches from the device's module cache) [`source`] for `dev`.
+    pub(crate) fn new(dev: &holdfast_hal::Device) -> Result<Self> {
+        let m = dev.compile(source())?;
+        Ok(AttnKernels {
+            swa_decode: m.kernel("hf_dsv4_swa_decode")?,
+            swa_prefill_gather_lens: m.kernel("hf_dsv4_swa_prefill_gather_lens")?,
+            c128a_decode: m.kernel("hf_dsv4_c128a_decode")?,
+            c128a_prefill: m.kernel("hf_dsv4_c128a_prefill")?,
+            c4a_count: m.kernel("hf_dsv4_c4a_count")?,
+            c4a_pack: m.kernel("hf_dsv4_c4a_pack")?,
+        })
+    }
+}

@@ -1,0 +1,256 @@
+//! Shared test helpers: random DeepSeek-V4 batches and plain references written from spec §5.
+
+#![allow(dead_code)]
+
+use holdfast_attention::{
+    c128a_max_compressed, BlockTableConfig, CommonConfig, StepInput, StepLayout, C128A_RATIO, C4A_RATIO,
+};
+
+/// Unwritten i32 outputs read as this (0x7B7B7B7B), never a plausible index or -1.
+pub const POISON: i32 = 0x7B7B_7B7B;
+
+pub struct Rng(pub u64);
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn below(&mut self, n: u64) -> i64 {
+        (self.next() % n.max(1)) as i64
+    }
+    pub fn range(&mut self, lo: i64, hi_inclusive: i64) -> i64 {
+        lo + self.below((hi_inclusive - lo + 1) as u64)
+    }
+}
+
+pub fn config(
+    max_tokens: usize,
+    max_seqs: usize,
+    max_model_len: usize,
+    spec: usize,
+    swa_bs: usize,
+    kv_bs: usize,
+) -> CommonConfig {
+    CommonConfig {
+        max_num_batched_tokens: max_tokens,
+        max_num_seqs: max_seqs,
+        max_model_len,
+        num_spec_tokens: spec,
+        swa_table: BlockTableConfig {
+            block_size: swa_bs,
+            max_blocks_per_seq: max_model_len.div_ceil(swa_bs),
+            num_blocks: 4096,
+        },
+        kv_table: BlockTableConfig {
+            block_size: kv_bs,
+            max_blocks_per_seq: max_model_len.div_ceil(kv_bs),
+            num_blocks: 4096,
+        },
+    }
+}
+
+/// One step's host inputs, owned.
+#[derive(Clone, Debug)]
+pub struct Batch {
+    pub qsl: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub slots: Vec<i32>,
+    pub swa_bt: Vec<i32>,
+    pub kv_bt: Vec<i32>,
+    pub reqs_padded: usize,
+    pub tokens_padded: usize,
+}
+
+impl Batch {
+    pub fn input(&self) -> StepInput<'_> {
+        StepInput {
+            query_start_loc: &self.qsl,
+            seq_lens: &self.seq_lens,
+            positions: &self.positions,
+            slot_mapping: &self.slots,
+            swa_block_table: &self.swa_bt,
+            kv_block_table: &self.kv_bt,
+            num_reqs_padded: self.reqs_padded,
+            num_tokens_padded: self.tokens_padded,
+        }
+    }
+    pub fn num_reqs(&self) -> usize {
+        self.qsl.len() - 1
+    }
+    pub fn num_tokens(&self) -> usize {
+        self.positions.len()
+    }
+}
+
+/// A sequence length near a multiple of 4 or 128 (the compression boundaries), at least `q`.
+fn seq_len(rng: &mut Rng, q: usize, max_model_len: usize) -> usize {
+    let base = match rng.below(4) {
+        0 => rng.below((max_model_len / 128) as u64 + 1) * 128,
+        1 => rng.below((max_model_len / 4) as u64 + 1) * 4,
+        2 => rng.below(300),
+        _ => rng.below(max_model_len as u64 + 1),
+    };
+    let s = (base + rng.range(-2, 2)).clamp(0, max_model_len as i64) as usize;
+    s.max(q).min(max_model_len)
+}
+
+/// `decodes` requests of 1..=1+spec queries, then `prefills` requests of longer queries; random
+/// block ids, some slot -1 tokens, padded by `pad_reqs` / `pad_tokens`.
+pub fn random_batch(
+    rng: &mut Rng,
+    cfg: &CommonConfig,
+    decodes: usize,
+    prefills: usize,
+    pad_reqs: usize,
+    pad_tokens: usize,
+) -> Batch {
+    let thr = cfg.decode_threshold();
+    let mut qsl = vec![0i32];
+    let (mut seq_lens, mut positions, mut slots) = (vec![], vec![], vec![]);
+    let (mut swa_bt, mut kv_bt) = (vec![], vec![]);
+    for r in 0..decodes + prefills {
+        let q = if r < decodes {
+            rng.range(1, thr as i64) as usize
+        } else {
+            rng.range(thr as i64 + 1, thr as i64 + 24) as usize
+        };
+        let s = seq_len(rng, q, cfg.max_model_len);
+        for j in 0..q {
+            positions.push((s - q + j) as i32);
+            slots.push(if rng.below(10) == 0 { -1 } else { rng.below(100_000) as i32 });
+        }
+        qsl.push(qsl[r] + q as i32);
+        seq_lens.push(s as i32);
+        for _ in 0..cfg.swa_table.max_blocks_per_seq {
+            swa_bt.push(rng.below(cfg.swa_table.num_blocks as u64) as i32);
+        }
+        for _ in 0..cfg.kv_table.max_blocks_per_seq {
+            kv_bt.push(rng.below(cfg.kv_table.num_blocks as u64) as i32);
+        }
+    }
+    let nr = decodes + prefills;
+    let nt = positions.len();
+    Batch {
+        qsl,
+        seq_lens,
+        positions,
+        slots,
+        swa_bt,
+        kv_bt,
+        reqs_padded: (nr + pad_reqs).min(cfg.max_num_seqs),
+        tokens_padded: (nt + pad_tokens).min(cfg.max_num_batched_tokens),
+    }
+}
+
+/// `(valid, position, request)` of padded token `t` per §3.4 padding.
+pub fn token(b: &Batch, t: usize) -> (bool, i64, usize) {
+    if t >= b.num_tokens() || b.slots[t] < 0 {
+        return (false, 0, 0);
+    }
+    let r = (0..b.num_reqs())
+        .find(|&r| (b.qsl[r] as usize..b.qsl[r + 1] as usize).contains(&t))
+        .expect("token in a request");
+    (true, i64::from(b.positions[t]), r)
+}
+
+fn slot(table: &[i32], width: usize, r: usize, p: i64, bs: i64) -> i32 {
+    (i64::from(table[r * width + (p / bs) as usize]) * bs + p % bs) as i32
+}
+
+/// §5.3: per decode token the window's global SWA slots (exactly `len` of them).
+pub fn swa_ref(b: &Batch, cfg: &CommonConfig, l: &StepLayout, window: usize) -> Vec<Vec<i32>> {
+    let t = cfg.swa_table;
+    (0..l.num_decode_tokens)
+        .map(|tok| {
+            let (valid, p, r) = token(b, tok);
+            if !valid {
+                return vec![];
+            }
+            let start = (p - window as i64 + 1).max(0);
+            (start..=p).map(|q| slot(&b.swa_bt, t.max_blocks_per_seq, r, q, t.block_size as i64)).collect()
+        })
+        .collect()
+}
+
+/// §5.3 step 5: `query_len + min(prefix_len, window − 1)` per prefill request (padded ones 0).
+pub fn gather_lens_ref(b: &Batch, l: &StepLayout, window: usize) -> Vec<i32> {
+    (l.num_decodes..l.num_decodes + l.num_prefills)
+        .map(|r| {
+            if r >= b.num_reqs() {
+                return 0;
+            }
+            let q = b.qsl[r + 1] - b.qsl[r];
+            q + (b.seq_lens[r] - q).min(window as i32 - 1)
+        })
+        .collect()
+}
+
+/// §5.2: per decode token the global slots of its first `min((pos + 1) / 128, width)` entries.
+pub fn c128a_decode_ref(b: &Batch, cfg: &CommonConfig, l: &StepLayout) -> Vec<Vec<i32>> {
+    let (t, w) = (cfg.kv_table, c128a_max_compressed(cfg.max_model_len));
+    let cbs = (t.block_size / C128A_RATIO) as i64;
+    (0..l.num_decode_tokens)
+        .map(|tok| {
+            let (valid, p, r) = token(b, tok);
+            let n = if valid { (((p + 1) / C128A_RATIO as i64) as usize).min(w) } else { 0 };
+            (0..n as i64).map(|j| slot(&b.kv_bt, t.max_blocks_per_seq, r, j, cbs)).collect()
+        })
+        .collect()
+}
+
+/// §5.2: per prefill token the count of visible compressed entries (row = `0..n`).
+pub fn c128a_prefill_ref(b: &Batch, cfg: &CommonConfig, l: &StepLayout) -> Vec<usize> {
+    let w = c128a_max_compressed(cfg.max_model_len);
+    (l.num_decode_tokens..l.num_tokens_padded)
+        .map(|tok| {
+            let (valid, p, _) = token(b, tok);
+            if valid {
+                (((p + 1) / C128A_RATIO as i64) as usize).min(w)
+            } else {
+                0
+            }
+        })
+        .collect()
+}
+
+/// A random indexer output `[rows, k]`: valid local positions, -1s and out-of-range entries
+/// interleaved.
+pub fn random_topk(rng: &mut Rng, b: &Batch, rows: usize, k: usize) -> Vec<i32> {
+    let mut out = Vec::with_capacity(rows * k);
+    for tok in 0..rows {
+        let (_, p, _) = token(b, tok);
+        let avail = (p + 1) / C4A_RATIO as i64;
+        for _ in 0..k {
+            out.push(match rng.below(8) {
+                0 => -1,
+                1 => (avail + rng.below(50)) as i32,
+                _ if avail > 0 => rng.below(avail as u64) as i32,
+                _ => -1,
+            });
+        }
+    }
+    out
+}
+
+/// §5.4 c4a: kept entries (`0 ≤ v < (pos + 1) / 4`) mapped to global slots, in row order.
+pub fn c4a_ref(b: &Batch, cfg: &CommonConfig, l: &StepLayout, topk: &[i32], k: usize) -> Vec<Vec<i32>> {
+    let t = cfg.kv_table;
+    let cbs = (t.block_size / C4A_RATIO) as i64;
+    (0..l.num_decode_tokens)
+        .map(|tok| {
+            let (valid, p, r) = token(b, tok);
+            if !valid {
+                return vec![];
+            }
+            let avail = (p + 1) / C4A_RATIO as i64;
+            topk[tok * k..(tok + 1) * k]
+                .iter()
+                .filter(|&&v| v >= 0 && i64::from(v) < avail)
+                .map(|&v| slot(&b.kv_bt, t.max_blocks_per_seq, r, i64::from(v), cbs))
+                .collect()
+        })
+        .collect()
+}
