@@ -52,6 +52,8 @@ pub struct PieceCtx<'a> {
     desc: BatchDescriptor,
     phase: Phase,
     inputs: &'a [(String, RawView)],
+    /// `inputs` in the form replays take, built once per forward.
+    given: Vec<(&'a str, RawView)>,
     replay: &'a [Graph],
     captured: Vec<Graph>,
     next_piece: usize,
@@ -76,11 +78,16 @@ impl<'a> PieceCtx<'a> {
         inputs: &'a [(String, RawView)],
         replay: &'a [Graph],
     ) -> PieceCtx<'a> {
+        let given = match phase {
+            Phase::ReplayPieces => inputs.iter().map(|(n, v)| (n.as_str(), v.clone())).collect(),
+            _ => Vec::new(),
+        };
         PieceCtx {
             arena,
             desc,
             phase,
             inputs,
+            given,
             replay,
             captured: Vec::new(),
             next_piece: 0,
@@ -154,8 +161,7 @@ impl<'a> PieceCtx<'a> {
                         detail: format!("the forward ran piece {i}, but only {} were captured", self.replay.len()),
                     });
                 };
-                let given: Vec<(&str, RawView)> = self.inputs.iter().map(|(n, v)| (n.as_str(), v.clone())).collect();
-                graph.replay_with_inputs(stream, &given)?;
+                graph.replay_with_inputs(stream, &self.given)?;
                 self.counts.piece_replays += 1;
                 Ok(())
             }
