@@ -78,7 +78,7 @@ impl C128aBuilder {
     /// As [`C128aBuilder::new`], allocating every output buffer with `alloc`.
     pub fn new_with_alloc(dev: &Device, cfg: &CommonConfig, alloc: BufferAlloc<'_>) -> Result<Self> {
         let bs = cfg.kv_table.block_size;
-        if bs % C128A_RATIO != 0 {
+        if !bs.is_multiple_of(C128A_RATIO) {
             return Err(AttentionError::Config(format!("KV block size {bs} is not a multiple of {C128A_RATIO}")));
         }
         let width = c128a_max_compressed(cfg.max_model_len);

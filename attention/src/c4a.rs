@@ -68,7 +68,7 @@ impl C4aBuilder {
     /// As [`C4aBuilder::new`], allocating every output buffer with `alloc`.
     pub fn new_with_alloc(dev: &Device, cfg: &CommonConfig, topk: usize, alloc: BufferAlloc<'_>) -> Result<Self> {
         let bs = cfg.kv_table.block_size;
-        if bs % C4A_RATIO != 0 {
+        if !bs.is_multiple_of(C4A_RATIO) {
             return Err(AttentionError::Config(format!("KV block size {bs} is not a multiple of {C4A_RATIO}")));
         }
         if topk == 0 {
