@@ -88,7 +88,7 @@ impl Reference {
     fn padded(&self, n: u32, uniform: bool, has_lora: bool, k: u32) -> Result<BatchDescriptor, ()> {
         let np = self.pad(n);
         let (reqs, uniform) = if uniform && has(self.mode, 2) {
-            if np % self.q != 0 {
+            if !np.is_multiple_of(self.q) {
                 return Err(());
             }
             ((np / self.q).min(self.max_num_seqs), true)

@@ -57,7 +57,7 @@ fn every_mode_replays_bit_identical_to_eager(dev: &Device) {
         let mut seen = [0u64; 3];
         for step in 0..40 {
             let n = rng.range(1, MAX_TOKENS);
-            let uniform = n <= MAX_SEQS && rng.next() % 2 == 0;
+            let uniform = n <= MAX_SEQS && rng.next().is_multiple_of(2);
             let x = rng.values(n as usize);
             let (m, got, want) = step_and_reference(&mut r, &mut d, &s, n, uniform, x, step).expect("step");
             assert_eq!(bits(&got), bits(&want), "{mode}: step {step} ({n} tokens, {m}) differs from eager");
