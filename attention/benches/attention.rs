@@ -3,7 +3,8 @@
 //! 8192 on GPUs; 65,536 → 512 on the CPU backend so it runs quickly) and c4a (top-k 512), at 1, 8,
 //! 64, 256 and 1024 decode rows, on the device named by `HOLDFAST_DEVICE` (default `cpu`).
 //!
-//! `host_build` times the host side only (on the CPU backend that includes the kernels, which run
+//! `builders_only` times the three builders on an already uploaded step (synchronised inside the
+//! timed region). `host_build` times the host side only (on the CPU backend that includes the kernels, which run
 //! inline); the stream is synchronised outside the timed region so the staging is never rewritten
 //! under an in-flight copy. On GPUs `device_build` also times the device work, synchronising
 //! inside the timed region.
@@ -111,14 +112,17 @@ impl Rig {
         }
     }
 
+    /// The three builds of the staged, uploaded step.
+    fn builds(&self) -> usize {
+        self.swa.build(&self.s, &self.common).expect("swa").stats.launches
+            + self.c128a.build(&self.s, &self.common).expect("c128a").stats.launches
+            + self.c4a.build(&self.s, &self.common, &self.topk.view()).expect("c4a").stats.launches
+    }
+
     /// One step: stage + upload + the three builds (what the model runner does per decode step).
     fn step(&mut self, b: &Batch) -> usize {
         self.common.stage(&b.input()).expect("stage");
-        let mut launches = self.common.upload(&self.s).expect("upload");
-        launches += self.swa.build(&self.s, &self.common).expect("swa").stats.launches;
-        launches += self.c128a.build(&self.s, &self.common).expect("c128a").stats.launches;
-        launches += self.c4a.build(&self.s, &self.common, &self.topk.view()).expect("c4a").stats.launches;
-        launches
+        self.common.upload(&self.s).expect("upload") + self.builds()
     }
 }
 
@@ -154,6 +158,18 @@ fn bench(c: &mut Criterion) {
                     rig.s.synchronize().expect("sync");
                 }
                 total
+            })
+        });
+        // The three builders alone on an uploaded step (no staging, no upload), synchronised
+        // inside the timed region.
+        g.bench_with_input(BenchmarkId::new("builders_only", rows), &rows, |bch, _| {
+            bch.iter_custom(|iters| {
+                let t = Instant::now();
+                for _ in 0..iters {
+                    black_box(rig.builds());
+                    rig.s.synchronize().expect("sync");
+                }
+                t.elapsed()
             })
         });
         if gpu {

@@ -75,9 +75,11 @@ pub struct StepInput<'a> {
     pub positions: &'a [i32],
     /// `[num_tokens]` KV slot each token writes; -1 marks a token that writes nothing.
     pub slot_mapping: &'a [i32],
-    /// `[num_reqs, swa_table.max_blocks_per_seq]` row-major SWA block ids.
+    /// `[num_reqs, swa_table.max_blocks_per_seq]` row-major SWA block ids; the first
+    /// `ceil(seq_len / block_size)` columns of each row must lie in `[0, num_blocks)` (the others
+    /// are never read).
     pub swa_block_table: &'a [i32],
-    /// `[num_reqs, kv_table.max_blocks_per_seq]` row-major main-cache block ids.
+    /// `[num_reqs, kv_table.max_blocks_per_seq]` row-major main-cache block ids, same contract.
     pub kv_block_table: &'a [i32],
     /// Request rows after padding (the captured size's request count), `≥ num_reqs`.
     pub num_reqs_padded: usize,
@@ -197,11 +199,13 @@ impl CommonAttentionMetadata {
         let layout = self.validate(input)?;
         let StepLayout { num_reqs: nr, num_reqs_padded: rp, num_tokens: nt, num_tokens_padded: tp, .. } = layout;
         let mut scratch = std::mem::take(&mut self.scratch);
+        // Real rows straight into the staging, then the padding rows after them.
         let mut put = |field: usize, real: &[i32], pad: i32, padded_len: usize| -> Result<()> {
+            let pinned = &self.fields[field].pinned;
+            pinned.write(0, real)?;
             scratch.clear();
-            scratch.extend_from_slice(real);
-            scratch.resize(padded_len, pad);
-            self.fields[field].pinned.write(0, &scratch)?;
+            scratch.resize(padded_len - real.len(), pad);
+            pinned.write(real.len(), &scratch)?;
             Ok(())
         };
         put(QSL, input.query_start_loc, nt as i32, rp + 1)?;
@@ -306,7 +310,8 @@ impl CommonAttentionMetadata {
                         ),
                     ));
                 }
-                let row = &table[r * t.max_blocks_per_seq..(r + 1) * t.max_blocks_per_seq];
+                // Only the columns the request uses are ever read; the rest are neither read nor checked.
+                let row = &table[r * t.max_blocks_per_seq..r * t.max_blocks_per_seq + need];
                 if let Some((c, b)) = row.iter().enumerate().find(|(_, &b)| b < 0 || b as usize >= t.num_blocks) {
                     return Err(invalid(
                         name,

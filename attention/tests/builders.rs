@@ -188,7 +188,7 @@ fn bad_inputs_are_errors_before_any_kernel(dev: &Device) {
     b.positions[0] += 1;
     assert_eq!(field(&b, &mut common), "positions");
     let mut b = good.clone();
-    b.swa_bt[1] = 4096;
+    b.swa_bt[0] = 4096;
     assert_eq!(field(&b, &mut common), "swa_block_table");
     let mut b = good.clone();
     b.kv_bt[0] = -3;
