@@ -241,6 +241,42 @@ fn bad_inputs_are_errors_before_any_kernel(dev: &Device) {
     assert!(matches!(C4aBuilder::new(dev, &cfg, 0), Err(AttentionError::Config(_))));
 }
 
+fn views_depend_only_on_the_padded_row_count(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(99);
+    let cfg = config(64, 16, 4096, 0, 64, 256);
+    let mut rig = Rig::new(dev, cfg, 128, 32);
+    let mut seen: Option<Vec<(u64, usize)>> = None;
+    for real in [1usize, 8, 3, 6] {
+        let mut b = random_batch(&mut rng, &cfg, real, 0, 0, 0);
+        b.reqs_padded = 8;
+        b.tokens_padded = 8;
+        rig.check(dev, &s, &b, &mut rng);
+        let swa = rig.swa.build(&s, &rig.common).expect("swa").decode.expect("decode");
+        let c128 = rig.c128a.build(&s, &rig.common).expect("c128a").decode.expect("decode");
+        let c4 = rig.c4a.build(&s, &rig.common, &rig.topk.view()).expect("c4a").decode.expect("decode");
+        let views: Vec<(u64, usize)> = [
+            &swa.indices,
+            &swa.lens,
+            &swa.ragged.indptr,
+            &swa.ragged.indices,
+            &c128.indices,
+            &c128.ragged.indptr,
+            &c128.ragged.indices,
+            &c4.lens,
+            &c4.ragged.indptr,
+            &c4.ragged.indices,
+        ]
+        .iter()
+        .map(|v| (v.addr(), v.len()))
+        .collect();
+        match &seen {
+            Some(first) => assert_eq!(&views, first, "{real} real rows: same addresses and lengths"),
+            None => seen = Some(views),
+        }
+    }
+}
+
 macro_rules! device_suite {
     ($($name:ident),* $(,)?) => {
         mod cpu {
@@ -270,6 +306,7 @@ device_suite!(
     builders_match_the_reference_on_random_batches,
     uniform_padded_decode_rows_are_all_decode_rows_of_length_zero,
     bad_inputs_are_errors_before_any_kernel,
+    views_depend_only_on_the_padded_row_count,
 );
 
 #[test]
