@@ -1,0 +1,630 @@
+// mHC kernels for hc_mult = 4: hc_head, mhc_pre, mhc_fused_post_pre (split reductions) and mhc_post
+// (elementwise). The CPU references in reference.rs define the numbers; every summation order,
+// fused multiply-add and rounding below has its twin there, so keep the two in step.
+//
+// Reduction structure (fixed; it depends on H only, never on T or on the launch shape):
+//   h is cut into chunks of 8 (one 16-byte bf16 load); split s owns chunks [32 s, 32 s + 32), so
+//   S = ceil(H / 256). Lane l of a 32-lane group owns chunk 32 s + l of every stream and
+//   accumulates, stream by stream and element by element, fmaf(x, x, ss) and fmaf(x, fn[j], dot_j).
+//   The 32 lanes are summed with the xor tree (masks 16, 8, 4, 2, 1), giving one partial per
+//   (token, split, value); the S partials are summed in split order.
+//
+// Work items (one per block, claimed from a ticket counter so that a block only ever waits for
+// items claimed before its own): a projection item (tile of tokens, split) writes partials; a
+// finish item (tile, group of tokens) waits until all S projection items of its tile arrived, sums
+// the partials, computes the gates (and Sinkhorn) and writes the outputs. Items are ordered
+// A(0) A(1) F(0) A(2) F(1) ... F(Q-1), so a finish item rarely waits. Counters live in `sync`:
+// [0] ticket, [1 + 2q] arrivals of tile q, [2 + 2q] departures of tile q; the last block to use a
+// counter resets it, so every launch leaves `sync` zeroed for the next (graph replays included).
+
+#define MHC_N 4
+#define MHC_CHUNK 8
+#define MHC_GROUP 32
+#define MHC_SPLIT_H (MHC_CHUNK * MHC_GROUP)
+#define MHC_THREADS 256
+#define MHC_GROUPS (MHC_THREADS / MHC_GROUP)
+#define MHC_FINISH_MAX 16
+#define MHC_POST_THREADS 128
+// Tokens per lane register tile (projection items): more reuse of each fn load, more registers.
+#define MHC_TT_HEAD 4
+#define MHC_TT_PRE 4
+#define MHC_TT_FUSED 2
+
+static_assert(HF_WARP_SIZE % MHC_GROUP == 0, "a 32-lane reduction group must not straddle warps");
+static_assert(MHC_THREADS / (MHC_N * MHC_N) >= MHC_FINISH_MAX, "one 16-lane Sinkhorn group per finished token");
+
+struct alignas(16) mhc_u32x4 {
+    uint32_t x, y, z, w;
+};
+struct alignas(16) mhc_f32x4 {
+    float x, y, z, w;
+};
+
+__device__ __forceinline__ float mhc_lo(uint32_t u) { return __uint_as_float(u << 16); }
+__device__ __forceinline__ float mhc_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+__device__ __forceinline__ uint32_t mhc_pack(float a, float b) {
+    return (uint32_t)hf_f32_to_bf16(a).bits | ((uint32_t)hf_f32_to_bf16(b).bits << 16);
+}
+__device__ __forceinline__ void mhc_unpack(mhc_u32x4 u, float v[8]) {
+    v[0] = mhc_lo(u.x); v[1] = mhc_hi(u.x); v[2] = mhc_lo(u.y); v[3] = mhc_hi(u.y);
+    v[4] = mhc_lo(u.z); v[5] = mhc_hi(u.z); v[6] = mhc_lo(u.w); v[7] = mhc_hi(u.w);
+}
+__device__ __forceinline__ mhc_u32x4 mhc_repack(const float v[8]) {
+    mhc_u32x4 u;
+    u.x = mhc_pack(v[0], v[1]); u.y = mhc_pack(v[2], v[3]); u.z = mhc_pack(v[4], v[5]); u.w = mhc_pack(v[6], v[7]);
+    return u;
+}
+__device__ __forceinline__ bool mhc_aligned16(const void* p) { return (((uint64_t)p) & 15u) == 0; }
+
+// 8 bf16 of one row starting at h0 (VEC: one 16-byte load; else element loads, zero past H).
+template <bool VEC>
+__device__ __forceinline__ mhc_u32x4 mhc_load8(const hf_bf16* row, uint32_t h0, uint32_t H) {
+    mhc_u32x4 u;
+    if (VEC) {
+        u = *reinterpret_cast<const mhc_u32x4*>(row + h0);
+    } else {
+        uint32_t b[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) b[e] = (h0 + e < H) ? (uint32_t)row[h0 + e].bits : 0u;
+        u.x = b[0] | (b[1] << 16); u.y = b[2] | (b[3] << 16); u.z = b[4] | (b[5] << 16); u.w = b[6] | (b[7] << 16);
+    }
+    return u;
+}
+template <bool VEC>
+__device__ __forceinline__ void mhc_store8(hf_bf16* row, uint32_t h0, uint32_t H, mhc_u32x4 u) {
+    if (VEC) {
+        *reinterpret_cast<mhc_u32x4*>(row + h0) = u;
+    } else {
+        const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            if (h0 + e < H) {
+                hf_bf16 v;
+                v.bits = (uint16_t)((e & 1) ? (w[e / 2] >> 16) : (w[e / 2] & 0xffffu));
+                row[h0 + e] = v;
+            }
+        }
+    }
+}
+template <bool VEC>
+__device__ __forceinline__ void mhc_load_f8(const float* p, uint32_t ne, float f[8]) {
+    if (VEC) {
+        const mhc_f32x4 a = reinterpret_cast<const mhc_f32x4*>(p)[0];
+        const mhc_f32x4 b = reinterpret_cast<const mhc_f32x4*>(p)[1];
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) f[e] = ((uint32_t)e < ne) ? p[e] : 0.0f;
+    }
+}
+
+__device__ __forceinline__ float mhc_sigmoid(float z) { return 1.0f / (1.0f + expf(-z)); }
+
+// Post-mix of one chunk: out_j = x * post_j, then out_j = fmaf(comb[i][j], r_i, out_j) for i in
+// order; rounded to bf16. `coef` is post[t] (4) followed by comb[t] (16, row i = input stream).
+__device__ __forceinline__ void mhc_post_mix(const mhc_u32x4 xu, const mhc_u32x4 ru[MHC_N], const float* coef,
+                                             mhc_u32x4 out[MHC_N]) {
+    float xv[8], rv[MHC_N][8];
+    mhc_unpack(xu, xv);
+#pragma unroll
+    for (int i = 0; i < MHC_N; ++i) mhc_unpack(ru[i], rv[i]);
+#pragma unroll
+    for (int j = 0; j < MHC_N; ++j) {
+        const float pj = coef[j];
+        float o[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = xv[e] * pj;
+#pragma unroll
+        for (int i = 0; i < MHC_N; ++i) {
+            const float c = coef[MHC_N + i * MHC_N + j];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = fmaf(c, rv[i][e], o[e]);
+        }
+        out[j] = mhc_repack(o);
+    }
+}
+
+// Sum of P values over the 32 lanes of a group with the xor tree 16, 8, 4, 2, 1. While more than one
+// value is left, each step halves the values a lane holds (the lane with the mask bit set keeps the
+// upper half), so the shuffles total about P instead of 5 P. Every lane pair adds the same two
+// operands as a plain butterfly would, so the bits equal the plain tree. On return a[0] of lane l
+// is the total of value l / (32 / P).
+template <int P, int M>
+struct MhcGroupSum {
+    static __device__ __forceinline__ void run(float* a, uint32_t lane) {
+        constexpr int H2 = P / 2;
+        const bool up = (lane & M) != 0;
+#pragma unroll
+        for (int k = 0; k < H2; ++k) {
+            const float send = up ? a[k] : a[k + H2];
+            const float keep = up ? a[k + H2] : a[k];
+            a[k] = keep + hf_shfl_xor(send, M);
+        }
+        MhcGroupSum<H2, M / 2>::run(a, lane);
+    }
+};
+template <int M>
+struct MhcGroupSum<1, M> {
+    static __device__ __forceinline__ void run(float* a, uint32_t lane) {
+        a[0] = a[0] + hf_shfl_xor(a[0], M);
+        MhcGroupSum<1, M / 2>::run(a, lane);
+    }
+};
+template <>
+struct MhcGroupSum<1, 0> {
+    static __device__ __forceinline__ void run(float*, uint32_t) {}
+};
+template <int P>
+struct MhcGroupSum<P, 0> {
+    static __device__ __forceinline__ void run(float*, uint32_t) {}
+};
+
+// Smallest power of two >= V.
+template <int V>
+struct MhcPow2 {
+    static constexpr int value = 2 * MhcPow2<(V + 1) / 2>::value;
+};
+template <>
+struct MhcPow2<1> {
+    static constexpr int value = 1;
+};
+
+// Sinkhorn on a 4x4 matrix held one element per lane of a 16-lane group (lane = 4 i + j); every lane
+// of the warp must call it (shuffles). Row sums use xor 1, 2; column sums xor 4, 8.
+__device__ __forceinline__ float mhc_sinkhorn(float c, uint32_t iters, float eps) {
+    float mx = fmaxf(c, hf_shfl_xor(c, 1));
+    mx = fmaxf(mx, hf_shfl_xor(mx, 2));
+    const float e = expf(c - mx);
+    float rs = e + hf_shfl_xor(e, 1);
+    rs = rs + hf_shfl_xor(rs, 2);
+    c = e / rs + eps;
+    float cs = c + hf_shfl_xor(c, 4);
+    cs = cs + hf_shfl_xor(cs, 8);
+    c = c / (cs + eps);
+    for (uint32_t it = 1; it < iters; ++it) {
+        rs = c + hf_shfl_xor(c, 1);
+        rs = rs + hf_shfl_xor(rs, 2);
+        c = c / (rs + eps);
+        cs = c + hf_shfl_xor(c, 4);
+        cs = cs + hf_shfl_xor(cs, 8);
+        c = c / (cs + eps);
+    }
+    return c;
+}
+
+// ---- work items ------------------------------------------------------------------------------
+
+struct MhcItem {
+    bool project;     // projection item (else finish item)
+    uint32_t tile;    // tile q
+    uint32_t index;   // split (projection) or token group (finish)
+};
+
+// Item p of the sequence A(0) A(1) F(0) A(2) F(1) ... A(Q-1) F(Q-2) F(Q-1).
+__device__ __forceinline__ MhcItem mhc_item(uint32_t p, uint32_t S, uint32_t F, uint32_t Q) {
+    MhcItem it;
+    if (p < S) {
+        it.project = true; it.tile = 0; it.index = p;
+        return it;
+    }
+    p -= S;
+    const uint32_t k = p / (S + F) + 1, r = p % (S + F);
+    if (k < Q && r < S) {
+        it.project = true; it.tile = k; it.index = r;
+    } else {
+        it.project = false; it.tile = k - 1; it.index = (k < Q) ? r - S : r;
+    }
+    return it;
+}
+
+__device__ __forceinline__ uint32_t mhc_claim(uint32_t* sync) {
+    __shared__ uint32_t s_ticket;
+    if (threadIdx.x == 0) {
+        const uint32_t t = atomicAdd(&sync[0], 1u);
+        if (t == gridDim.x - 1) atomicExch(&sync[0], 0u);
+        s_ticket = t;
+    }
+    __syncthreads();
+    return s_ticket;
+}
+
+__device__ __forceinline__ void mhc_arrive(uint32_t* sync, uint32_t tile) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(&sync[1 + 2 * tile], 1u);
+}
+
+__device__ __forceinline__ void mhc_wait(uint32_t* sync, uint32_t tile, uint32_t S) {
+    if (threadIdx.x == 0) {
+        volatile uint32_t* arrived = sync + 1 + 2 * tile;
+        while (*arrived < S) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ void mhc_depart(uint32_t* sync, uint32_t tile, uint32_t F) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t d = atomicAdd(&sync[2 + 2 * tile], 1u);
+        if (d == F - 1) {
+            atomicExch(&sync[1 + 2 * tile], 0u);
+            atomicExch(&sync[2 + 2 * tile], 0u);
+        }
+    }
+}
+
+// Projection item: partials[t][split][0] = sum of x^2, [1 + j] = sum of x * fn[j] over the split's
+// chunks, for tokens [t_begin, t_end). FUSED: x is the post-mix of (x_in, residual) rounded to bf16.
+template <int J, int TT, bool VEC, bool FUSED>
+__device__ void mhc_project(const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
+                            const float* __restrict__ post_in, const float* __restrict__ comb_in,
+                            const float* __restrict__ fn, float* __restrict__ partials, uint32_t H, uint32_t S,
+                            uint32_t split, uint32_t t_begin, uint32_t t_end) {
+    constexpr int V = J + 1;
+    constexpr int P = MhcPow2<V>::value;
+    const uint32_t lane = threadIdx.x % MHC_GROUP, group = threadIdx.x / MHC_GROUP;
+    const uint32_t h0 = (split * MHC_GROUP + lane) * MHC_CHUNK;
+    const bool has = h0 < H;
+    const uint32_t ne = has ? min((uint32_t)MHC_CHUNK, H - h0) : 0u;
+    const uint32_t D = MHC_N * H;
+    for (uint32_t tb = t_begin + group * TT; tb < t_end; tb += MHC_GROUPS * TT) {
+        float acc[TT][P];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt)
+#pragma unroll
+            for (int v = 0; v < P; ++v) acc[tt][v] = 0.0f;
+        if (has) {
+            // FUSED: the post-mixed source of every stream, computed up front (it needs all of them).
+            mhc_u32x4 mixed[FUSED ? TT : 1][MHC_N];
+            if (FUSED) {
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                    const uint64_t t = tb + tt;
+                    if (t < t_end) {
+                        mhc_u32x4 ru[MHC_N];
+                        float coef[MHC_N + MHC_N * MHC_N];
+#pragma unroll
+                        for (int i = 0; i < MHC_N; ++i) ru[i] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
+#pragma unroll
+                        for (int i = 0; i < MHC_N; ++i) coef[i] = post_in[t * MHC_N + i];
+#pragma unroll
+                        for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = comb_in[t * MHC_N * MHC_N + i];
+                        mhc_post_mix(mhc_load8<VEC>(x_in + t * H, h0, H), ru, coef, mixed[tt]);
+                    } else {
+#pragma unroll
+                        for (int i = 0; i < MHC_N; ++i) mixed[tt][i] = mhc_u32x4{0u, 0u, 0u, 0u};
+                    }
+                }
+            }
+            // Not unrolled: unrolling the stream loop lets the scheduler hoist loads past 255 registers.
+#pragma unroll 1
+            for (int i = 0; i < MHC_N; ++i) {
+                mhc_u32x4 src[TT];
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) {
+                    const uint64_t t = tb + tt;
+                    if (FUSED)
+                        src[tt] = mixed[tt][i];
+                    else if (t < t_end)
+                        src[tt] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
+                    else
+                        src[tt] = mhc_u32x4{0u, 0u, 0u, 0u};
+                }
+                float xv[TT][8];
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) mhc_unpack(src[tt], xv[tt]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (VEC || (uint32_t)e < ne)
+#pragma unroll
+                        for (int tt = 0; tt < TT; ++tt) acc[tt][0] = fmaf(xv[tt][e], xv[tt][e], acc[tt][0]);
+#pragma unroll
+                for (int j = 0; j < J; ++j) {
+                    float f[8];
+                    mhc_load_f8<VEC>(fn + (uint64_t)j * D + (uint64_t)i * H + h0, ne, f);
+#pragma unroll
+                    for (int e = 0; e < 8; ++e)
+                        if (VEC || (uint32_t)e < ne)
+#pragma unroll
+                            for (int tt = 0; tt < TT; ++tt) acc[tt][1 + j] = fmaf(xv[tt][e], f[e], acc[tt][1 + j]);
+                }
+            }
+        }
+        constexpr uint32_t stride = MHC_GROUP / P;
+        const uint32_t v = lane / stride;
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) {
+            MhcGroupSum<P, 16>::run(acc[tt], lane);
+            const uint32_t t = tb + tt;
+            if (lane % stride == 0 && v < (uint32_t)V && t < t_end)
+                partials[((uint64_t)t * S + split) * V + v] = acc[tt][0];
+        }
+    }
+}
+
+// Split sums of tokens [t0, t0 + count) into s_sum[u][v] (summed in split order).
+template <int V>
+__device__ __forceinline__ void mhc_split_sums(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
+                                               float (*s_sum)[32]) {
+    for (uint32_t idx = threadIdx.x; idx < count * V; idx += MHC_THREADS) {
+        const uint32_t u = idx / V, v = idx % V;
+        const volatile float* p = partials + (uint64_t)(t0 + u) * S * V + v;
+        float a = p[0];
+        for (uint32_t s = 1; s < S; ++s) a = a + p[(uint64_t)s * V];
+        s_sum[u][v] = a;
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ float mhc_rms_factor(float ss, uint32_t D, float eps) {
+    return 1.0f / sqrtf(ss / (float)D + eps);
+}
+
+// ---- hc_head -----------------------------------------------------------------------------------
+
+template <bool VEC>
+__device__ void mhc_head_finish(const hf_bf16* __restrict__ residual, const float* __restrict__ scale,
+                                const float* __restrict__ base, hf_bf16* __restrict__ out,
+                                const float* partials, uint32_t H, uint32_t S, uint32_t t0, uint32_t count,
+                                float rms_eps, float hc_eps) {
+    __shared__ float s_sum[MHC_FINISH_MAX][32];
+    __shared__ float s_gate[MHC_FINISH_MAX][MHC_N];
+    mhc_split_sums<MHC_N + 1>(partials, S, t0, count, s_sum);
+    if (threadIdx.x < count * MHC_N) {
+        const uint32_t u = threadIdx.x / MHC_N, i = threadIdx.x % MHC_N;
+        const float r = mhc_rms_factor(s_sum[u][0], MHC_N * H, rms_eps);
+        s_gate[u][i] = mhc_sigmoid(fmaf(s_sum[u][1 + i] * r, scale[0], base[i])) + hc_eps;
+    }
+    __syncthreads();
+    const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK;
+    for (uint32_t u = 0; u < count; ++u) {
+        const uint64_t t = t0 + u;
+        for (uint32_t c = threadIdx.x; c < HC; c += MHC_THREADS) {
+            const uint32_t h0 = c * MHC_CHUNK;
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < MHC_N; ++i) {
+                float v[8];
+                mhc_unpack(mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H), v);
+                const float g = s_gate[u][i];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = fmaf(g, v[e], acc[e]);
+            }
+            mhc_store8<VEC>(out + t * H, h0, H, mhc_repack(acc));
+        }
+    }
+}
+
+template <bool VEC>
+__device__ void mhc_head_body(const hf_bf16* residual, const float* fn, const float* scale, const float* base,
+                              hf_bf16* out, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps,
+                              float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens, uint32_t ticket) {
+    const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
+    const uint32_t Q = (T + tile_tokens - 1) / tile_tokens;
+    const uint32_t F = (tile_tokens + finish_tokens - 1) / finish_tokens;
+    const MhcItem it = mhc_item(ticket, S, F, Q);
+    const uint32_t t_begin = it.tile * tile_tokens;
+    const uint32_t t_end = min(T, t_begin + tile_tokens);
+    if (it.project) {
+        mhc_project<MHC_N, MHC_TT_HEAD, VEC, false>(residual, nullptr, nullptr, nullptr, fn, partials, H, S, it.index, t_begin,
+                                          t_end);
+        mhc_arrive(sync, it.tile);
+        return;
+    }
+    mhc_wait(sync, it.tile, S);
+    const uint32_t t0 = t_begin + it.index * finish_tokens;
+    const uint32_t count = t0 < t_end ? min(finish_tokens, t_end - t0) : 0u;
+    mhc_head_finish<VEC>(residual, scale, base, out, partials, H, S, t0, count, rms_eps, hc_eps);
+    mhc_depart(sync, it.tile, F);
+}
+
+// out [T, H] = sum_i g_i residual[t, i, :], g = sigmoid(rms(x) (x . fn^T) scale + base) + hc_eps.
+HF_KERNEL void __launch_bounds__(MHC_THREADS) mhc_hc_head_n4(
+    const hf_bf16* residual, const float* fn, const float* scale, const float* base, hf_bf16* out, float* partials,
+    uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens) {
+    const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
+    const uint32_t Q = (T + tile_tokens - 1) / tile_tokens;
+    const uint32_t F = (tile_tokens + finish_tokens - 1) / finish_tokens;
+    if (T == 0 || finish_tokens > MHC_FINISH_MAX || gridDim.x != Q * (S + F)) return;  // host bug: never hang
+    const uint32_t ticket = mhc_claim(sync);
+    const bool vec = (H % MHC_CHUNK == 0) && mhc_aligned16(residual) && mhc_aligned16(fn) && mhc_aligned16(out);
+    if (vec)
+        mhc_head_body<true>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
+                            finish_tokens, ticket);
+    else
+        mhc_head_body<false>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
+                             finish_tokens, ticket);
+}
+
+// ---- mhc_pre and mhc_fused_post_pre --------------------------------------------------------------
+
+struct MhcPreArgs {
+    const hf_bf16* x_in;      // fused only: sublayer output [T, H]
+    const hf_bf16* residual;  // [T, n, H]
+    const float* post_in;     // fused only: [T, n]
+    const float* comb_in;     // fused only: [T, n, n]
+    const float* fn;          // [n (n + 2), n H]
+    const float* scale;       // [3]
+    const float* base;        // [n (n + 2)]
+    hf_bf16* residual_out;    // fused only: [T, n, H]
+    float* post_out;          // [T, n]
+    float* comb_out;          // [T, n, n]
+    hf_bf16* layer_input;     // [T, H]
+    float* partials;
+    uint32_t* sync;
+    uint32_t T, H, iters, tile_tokens, finish_tokens;
+    float rms_eps, pre_eps, sinkhorn_eps, post_mult;
+};
+
+template <bool VEC, bool FUSED>
+__device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uint32_t count) {
+    constexpr int J = MHC_N * (MHC_N + 2);
+    __shared__ float s_sum[MHC_FINISH_MAX][32];
+    __shared__ float s_pre[MHC_FINISH_MAX][MHC_N];
+    mhc_split_sums<J + 1>(a.partials, S, t0, count, s_sum);
+    {
+        // 16 lanes per token: lane l holds comb element (l / 4, l % 4); lanes 0..3 also pre and post.
+        const uint32_t u = threadIdx.x / (MHC_N * MHC_N), l = threadIdx.x % (MHC_N * MHC_N);
+        const bool valid = u < count;
+        const float ss = valid ? s_sum[u][0] : 1.0f;
+        const float r = mhc_rms_factor(ss, MHC_N * a.H, a.rms_eps);
+        const float m = valid ? s_sum[u][1 + 2 * MHC_N + l] : 0.0f;
+        float c = fmaf(m * r, a.scale[2], a.base[2 * MHC_N + l]);
+        c = mhc_sinkhorn(c, a.iters, a.sinkhorn_eps);
+        if (valid) {
+            const uint64_t t = t0 + u;
+            a.comb_out[t * MHC_N * MHC_N + l] = c;
+            if (l < MHC_N) {
+                const float pre = mhc_sigmoid(fmaf(s_sum[u][1 + l] * r, a.scale[0], a.base[l])) + a.pre_eps;
+                const float post = mhc_sigmoid(fmaf(s_sum[u][1 + MHC_N + l] * r, a.scale[1], a.base[MHC_N + l])) * a.post_mult;
+                s_pre[u][l] = pre;
+                a.post_out[t * MHC_N + l] = post;
+            }
+        }
+    }
+    __syncthreads();
+    const uint32_t H = a.H, HC = (H + MHC_CHUNK - 1) / MHC_CHUNK;
+    for (uint32_t u = 0; u < count; ++u) {
+        const uint64_t t = t0 + u;
+        float coef[MHC_N + MHC_N * MHC_N];
+        if (FUSED) {
+#pragma unroll
+            for (int i = 0; i < MHC_N; ++i) coef[i] = a.post_in[t * MHC_N + i];
+#pragma unroll
+            for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = a.comb_in[t * MHC_N * MHC_N + i];
+        }
+        for (uint32_t c = threadIdx.x; c < HC; c += MHC_THREADS) {
+            const uint32_t h0 = c * MHC_CHUNK;
+            mhc_u32x4 src[MHC_N];
+#pragma unroll
+            for (int i = 0; i < MHC_N; ++i) src[i] = mhc_load8<VEC>(a.residual + (t * MHC_N + i) * H, h0, H);
+            if (FUSED) {
+                mhc_u32x4 mixed[MHC_N];
+                mhc_post_mix(mhc_load8<VEC>(a.x_in + t * H, h0, H), src, coef, mixed);
+#pragma unroll
+                for (int i = 0; i < MHC_N; ++i) {
+                    src[i] = mixed[i];
+                    mhc_store8<VEC>(a.residual_out + (t * MHC_N + i) * H, h0, H, mixed[i]);
+                }
+            }
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < MHC_N; ++i) {
+                float v[8];
+                mhc_unpack(src[i], v);
+                const float p = s_pre[u][i];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, v[e], acc[e]);
+            }
+            mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
+        }
+    }
+}
+
+template <bool VEC, bool FUSED>
+__device__ void mhc_pre_body(const MhcPreArgs& a, uint32_t ticket) {
+    constexpr int J = MHC_N * (MHC_N + 2);
+    const uint32_t S = (a.H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
+    const uint32_t Q = (a.T + a.tile_tokens - 1) / a.tile_tokens;
+    const uint32_t F = (a.tile_tokens + a.finish_tokens - 1) / a.finish_tokens;
+    const MhcItem it = mhc_item(ticket, S, F, Q);
+    const uint32_t t_begin = it.tile * a.tile_tokens;
+    const uint32_t t_end = min(a.T, t_begin + a.tile_tokens);
+    if (it.project) {
+        mhc_project<J, FUSED ? MHC_TT_FUSED : MHC_TT_PRE, VEC, FUSED>(a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S, it.index,
+                                      t_begin, t_end);
+        mhc_arrive(a.sync, it.tile);
+        return;
+    }
+    mhc_wait(a.sync, it.tile, S);
+    const uint32_t t0 = t_begin + it.index * a.finish_tokens;
+    const uint32_t count = t0 < t_end ? min(a.finish_tokens, t_end - t0) : 0u;
+    mhc_pre_finish<VEC, FUSED>(a, S, t0, count);
+    mhc_depart(a.sync, it.tile, F);
+}
+
+template <bool FUSED>
+__device__ __forceinline__ void mhc_pre_entry(const MhcPreArgs& a) {
+    const uint32_t S = (a.H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
+    const uint32_t Q = (a.T + a.tile_tokens - 1) / a.tile_tokens;
+    const uint32_t F = (a.tile_tokens + a.finish_tokens - 1) / a.finish_tokens;
+    if (a.T == 0 || a.finish_tokens > MHC_FINISH_MAX || gridDim.x != Q * (S + F)) return;  // host bug: never hang
+    const uint32_t ticket = mhc_claim(a.sync);
+    bool vec = (a.H % MHC_CHUNK == 0) && mhc_aligned16(a.residual) && mhc_aligned16(a.fn) && mhc_aligned16(a.layer_input);
+    if (FUSED) vec = vec && mhc_aligned16(a.x_in) && mhc_aligned16(a.residual_out);
+    if (vec)
+        mhc_pre_body<true, FUSED>(a, ticket);
+    else
+        mhc_pre_body<false, FUSED>(a, ticket);
+}
+
+// (post [T, n], comb [T, n, n], layer_input [T, H]) = mhc_pre(residual [T, n, H]).
+HF_KERNEL void __launch_bounds__(MHC_THREADS, 1) mhc_pre_n4(
+    const hf_bf16* residual, const float* fn, const float* scale, const float* base, float* post_out, float* comb_out,
+    hf_bf16* layer_input, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float pre_eps,
+    float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens) {
+    MhcPreArgs a;
+    a.x_in = nullptr; a.residual = residual; a.post_in = nullptr; a.comb_in = nullptr;
+    a.fn = fn; a.scale = scale; a.base = base; a.residual_out = nullptr;
+    a.post_out = post_out; a.comb_out = comb_out; a.layer_input = layer_input; a.partials = partials; a.sync = sync;
+    a.T = T; a.H = H; a.iters = iters; a.tile_tokens = tile_tokens; a.finish_tokens = finish_tokens;
+    a.rms_eps = rms_eps; a.pre_eps = pre_eps; a.sinkhorn_eps = sinkhorn_eps; a.post_mult = post_mult;
+    mhc_pre_entry<false>(a);
+}
+
+// residual_out = mhc_post(x, residual, post_in, comb_in); (post_out, comb_out, layer_input) =
+// mhc_pre(residual_out). residual_out may be residual itself (in place).
+HF_KERNEL void __launch_bounds__(MHC_THREADS, 1) mhc_fused_post_pre_n4(
+    const hf_bf16* x_in, const hf_bf16* residual, const float* post_in, const float* comb_in, const float* fn,
+    const float* scale, const float* base, hf_bf16* residual_out, float* post_out, float* comb_out,
+    hf_bf16* layer_input, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float pre_eps,
+    float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens) {
+    MhcPreArgs a;
+    a.x_in = x_in; a.residual = residual; a.post_in = post_in; a.comb_in = comb_in;
+    a.fn = fn; a.scale = scale; a.base = base; a.residual_out = residual_out;
+    a.post_out = post_out; a.comb_out = comb_out; a.layer_input = layer_input; a.partials = partials; a.sync = sync;
+    a.T = T; a.H = H; a.iters = iters; a.tile_tokens = tile_tokens; a.finish_tokens = finish_tokens;
+    a.rms_eps = rms_eps; a.pre_eps = pre_eps; a.sinkhorn_eps = sinkhorn_eps; a.post_mult = post_mult;
+    mhc_pre_entry<true>(a);
+}
+
+// ---- mhc_post ----------------------------------------------------------------------------------
+
+template <bool VEC>
+__device__ __forceinline__ void mhc_post_body(const hf_bf16* x, const hf_bf16* residual, const float* post,
+                                              const float* comb, hf_bf16* out, uint32_t T, uint32_t H,
+                                              uint32_t tokens_per_block) {
+    const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK;
+    const uint32_t c = blockIdx.x * MHC_POST_THREADS + threadIdx.x;
+    if (c >= HC) return;
+    const uint32_t h0 = c * MHC_CHUNK;
+    const uint32_t t_begin = blockIdx.y * tokens_per_block;
+    const uint32_t t_end = min(T, t_begin + tokens_per_block);
+    for (uint32_t t = t_begin; t < t_end; ++t) {
+        float coef[MHC_N + MHC_N * MHC_N];
+#pragma unroll
+        for (int i = 0; i < MHC_N; ++i) coef[i] = post[(uint64_t)t * MHC_N + i];
+#pragma unroll
+        for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = comb[(uint64_t)t * MHC_N * MHC_N + i];
+        mhc_u32x4 ru[MHC_N], o[MHC_N];
+#pragma unroll
+        for (int i = 0; i < MHC_N; ++i) ru[i] = mhc_load8<VEC>(residual + ((uint64_t)t * MHC_N + i) * H, h0, H);
+        mhc_post_mix(mhc_load8<VEC>(x + (uint64_t)t * H, h0, H), ru, coef, o);
+#pragma unroll
+        for (int j = 0; j < MHC_N; ++j) mhc_store8<VEC>(out + ((uint64_t)t * MHC_N + j) * H, h0, H, o[j]);
+    }
+}
+
+// out [T, n, H]: out[t, j] = post[t, j] x[t] + sum_i comb[t, i, j] residual[t, i]. out may be
+// residual itself (in place): each thread reads its chunk of every stream before writing it.
+HF_KERNEL void __launch_bounds__(MHC_POST_THREADS) mhc_post_n4(
+    const hf_bf16* x, const hf_bf16* residual, const float* post, const float* comb, hf_bf16* out, uint32_t T,
+    uint32_t H, uint32_t tokens_per_block) {
+    const bool vec = (H % MHC_CHUNK == 0) && mhc_aligned16(x) && mhc_aligned16(residual) && mhc_aligned16(out);
+    if (vec)
+        mhc_post_body<true>(x, residual, post, comb, out, T, H, tokens_per_block);
+    else
+        mhc_post_body<false>(x, residual, post, comb, out, T, H, tokens_per_block);
+}

@@ -1,0 +1,300 @@
+//! The mHC kernel source (`kernels.cu`), its entry points' signatures, and the CPU references the
+//! CPU backend runs in their place.
+//!
+//! The split-reduction kernels take two workspace pointers the references never touch: `partials`
+//! (`[T, S, values]` f32) and `sync` (`[1 + 2·tiles]` u32 counters, zero between launches). The
+//! references do check that both are large enough for the launch, as the device would need.
+
+use std::sync::OnceLock;
+
+use holdfast_hal::{bf16, CpuLaunch, Device, Kernel, KernelEntry, KernelSource, Module, Param, ScalarKind};
+
+use crate::error::Result;
+use crate::params::{HcHeadParams, MhcPreParams};
+use crate::reference::{self, PreOutputSlices, PRE_ROWS};
+use crate::HC_MULT;
+
+const CODE: &str = include_str!("kernels.cu");
+
+/// Entry point names.
+pub(crate) const HC_HEAD: &str = "mhc_hc_head_n4";
+pub(crate) const PRE: &str = "mhc_pre_n4";
+pub(crate) const FUSED_POST_PRE: &str = "mhc_fused_post_pre_n4";
+pub(crate) const POST: &str = "mhc_post_n4";
+
+type HalResult<T> = holdfast_hal::Result<T>;
+
+fn fail(l: &CpuLaunch<'_>, e: crate::MhcError) -> holdfast_hal::HalError {
+    l.fail(e.to_string())
+}
+
+/// Checks a view holds at least `need` elements (the device would read or write that many).
+fn at_least(l: &CpuLaunch<'_>, arg: &str, len: usize, need: usize) -> HalResult<()> {
+    if len < need {
+        return Err(l.fail(format!("`{arg}` has {len} elements, the launch needs {need}")));
+    }
+    Ok(())
+}
+
+/// Scalars shared by the split-reduction kernels, checked against the workspace views.
+fn check_workspace(
+    l: &CpuLaunch<'_>,
+    tokens: usize,
+    hidden: usize,
+    values: usize,
+    partials: usize,
+    sync: usize,
+    tile_at: usize,
+) -> HalResult<()> {
+    let (tile, finish) = (l.count(tile_at)?, l.count(tile_at + 1)?);
+    if tokens == 0 {
+        return Ok(());
+    }
+    if tile == 0 || finish == 0 || finish > crate::plan::FINISH_MAX {
+        return Err(l.fail(format!("tile_tokens {tile} / finish_tokens {finish} out of range")));
+    }
+    at_least(l, "partials", partials, tokens * reference::splits(hidden) * values)?;
+    at_least(l, "sync", sync, 1 + 2 * tokens.div_ceil(tile))
+}
+
+fn hc_head_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (residual, hc_fn, scale, base, out) =
+        (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?, l.ptr::<bf16>(4)?);
+    let (partials, sync) = (l.ptr::<f32>(5)?, l.ptr::<u32>(6)?);
+    let (t, h) = (l.count(7)?, l.count(8)?);
+    let params = HcHeadParams { rms_eps: l.f32(9)?, hc_eps: l.f32(10)? };
+    check_workspace(l, t, h, HC_MULT + 1, partials.len(), sync.len(), 11)?;
+    let (n, d) = (HC_MULT, HC_MULT * h);
+    at_least(l, "residual", residual.len(), t * d)?;
+    at_least(l, "out", out.len(), t * h)?;
+    let r = residual.read(0, t * d)?;
+    let mut o = vec![bf16::ZERO; t * h];
+    reference::hc_head_into(&r, &hc_fn.read(0, n * d)?, &scale.read(0, 1)?, &base.read(0, n)?, h, &params, &mut o)
+        .map_err(|e| fail(l, e))?;
+    out.write(0, &o)
+}
+
+fn pre_params(l: &CpuLaunch<'_>, at: usize) -> HalResult<MhcPreParams> {
+    Ok(MhcPreParams {
+        rms_eps: l.f32(at)?,
+        pre_eps: l.f32(at + 1)?,
+        sinkhorn_eps: l.f32(at + 2)?,
+        post_mult: l.f32(at + 3)?,
+        sinkhorn_iters: l.u32(at + 4)?,
+    })
+}
+
+fn pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (residual, hc_fn, scale, base) = (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?);
+    let (post, comb, layer) = (l.ptr::<f32>(4)?, l.ptr::<f32>(5)?, l.ptr::<bf16>(6)?);
+    let (partials, sync) = (l.ptr::<f32>(7)?, l.ptr::<u32>(8)?);
+    let (t, h) = (l.count(9)?, l.count(10)?);
+    let params = pre_params(l, 11)?;
+    check_workspace(l, t, h, PRE_ROWS + 1, partials.len(), sync.len(), 16)?;
+    let (n, d) = (HC_MULT, HC_MULT * h);
+    at_least(l, "residual", residual.len(), t * d)?;
+    at_least(l, "post", post.len(), t * n)?;
+    at_least(l, "comb", comb.len(), t * n * n)?;
+    at_least(l, "layer_input", layer.len(), t * h)?;
+    let r = residual.read(0, t * d)?;
+    let (mut po, mut co, mut li) = (vec![0.0f32; t * n], vec![0.0f32; t * n * n], vec![bf16::ZERO; t * h]);
+    let slices = PreOutputSlices { post: &mut po, comb: &mut co, layer_input: &mut li };
+    reference::pre_into(
+        &r,
+        &hc_fn.read(0, PRE_ROWS * d)?,
+        &scale.read(0, 3)?,
+        &base.read(0, PRE_ROWS)?,
+        h,
+        &params,
+        slices,
+    )
+    .map_err(|e| fail(l, e))?;
+    post.write(0, &po)?;
+    comb.write(0, &co)?;
+    layer.write(0, &li)
+}
+
+fn fused_post_pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (x, residual, post_in, comb_in) = (l.ptr::<bf16>(0)?, l.ptr::<bf16>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?);
+    let (hc_fn, scale, base) = (l.ptr::<f32>(4)?, l.ptr::<f32>(5)?, l.ptr::<f32>(6)?);
+    let (residual_out, post, comb, layer) = (l.ptr::<bf16>(7)?, l.ptr::<f32>(8)?, l.ptr::<f32>(9)?, l.ptr::<bf16>(10)?);
+    let (partials, sync) = (l.ptr::<f32>(11)?, l.ptr::<u32>(12)?);
+    let (t, h) = (l.count(13)?, l.count(14)?);
+    let params = pre_params(l, 15)?;
+    check_workspace(l, t, h, PRE_ROWS + 1, partials.len(), sync.len(), 20)?;
+    let (n, d) = (HC_MULT, HC_MULT * h);
+    at_least(l, "x", x.len(), t * h)?;
+    at_least(l, "residual", residual.len(), t * d)?;
+    at_least(l, "post_in", post_in.len(), t * n)?;
+    at_least(l, "comb_in", comb_in.len(), t * n * n)?;
+    at_least(l, "residual_out", residual_out.len(), t * d)?;
+    at_least(l, "post", post.len(), t * n)?;
+    at_least(l, "comb", comb.len(), t * n * n)?;
+    at_least(l, "layer_input", layer.len(), t * h)?;
+    // Every input is copied out before any output is written, so residual_out may alias residual.
+    let (xs, rs) = (x.read(0, t * h)?, residual.read(0, t * d)?);
+    let (pi, ci) = (post_in.read(0, t * n)?, comb_in.read(0, t * n * n)?);
+    let mut ro = vec![bf16::ZERO; t * d];
+    let (mut po, mut co, mut li) = (vec![0.0f32; t * n], vec![0.0f32; t * n * n], vec![bf16::ZERO; t * h]);
+    let slices = PreOutputSlices { post: &mut po, comb: &mut co, layer_input: &mut li };
+    reference::fused_post_pre_into(
+        &xs,
+        &rs,
+        &pi,
+        &ci,
+        &hc_fn.read(0, PRE_ROWS * d)?,
+        &scale.read(0, 3)?,
+        &base.read(0, PRE_ROWS)?,
+        h,
+        &params,
+        &mut ro,
+        slices,
+    )
+    .map_err(|e| fail(l, e))?;
+    residual_out.write(0, &ro)?;
+    post.write(0, &po)?;
+    comb.write(0, &co)?;
+    layer.write(0, &li)
+}
+
+fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (x, residual, post, comb, out) =
+        (l.ptr::<bf16>(0)?, l.ptr::<bf16>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?, l.ptr::<bf16>(4)?);
+    let (t, h, per_block) = (l.count(5)?, l.count(6)?, l.count(7)?);
+    if t > 0 && per_block == 0 {
+        return Err(l.fail("tokens_per_block is 0"));
+    }
+    let (n, d) = (HC_MULT, HC_MULT * h);
+    at_least(l, "x", x.len(), t * h)?;
+    at_least(l, "residual", residual.len(), t * d)?;
+    at_least(l, "post", post.len(), t * n)?;
+    at_least(l, "comb", comb.len(), t * n * n)?;
+    at_least(l, "out", out.len(), t * d)?;
+    // Inputs are copied out first: out may alias residual (in place).
+    let (xs, rs, ps, cs) =
+        (x.read(0, t * h)?, residual.read(0, t * d)?, post.read(0, t * n)?, comb.read(0, t * n * n)?);
+    let mut o = vec![bf16::ZERO; t * d];
+    reference::post_into(&xs, &rs, &ps, &cs, h, &mut o).map_err(|e| fail(l, e))?;
+    out.write(0, &o)
+}
+
+/// The mHC kernel source: CUDA C (valid HIP) for `hc_mult = 4`, with its CPU references.
+///
+/// Entry points (shapes with `n = 4`, `S = ceil(H / 256)`):
+/// - `mhc_hc_head_n4(residual [T,n,H] bf16, fn [n, nH] f32, scale [1], base [n], out [T,H] bf16,
+///   partials [T,S,n+1] f32, sync u32, T, H, rms_eps, hc_eps, tile_tokens, finish_tokens)`
+/// - `mhc_pre_n4(residual, fn [m, nH], scale [3], base [m], post [T,n], comb [T,n,n],
+///   layer_input [T,H] bf16, partials [T,S,m+1], sync, T, H, rms_eps, pre_eps, sinkhorn_eps,
+///   post_mult, sinkhorn_iters, tile_tokens, finish_tokens)` with `m = n(n+2)`
+/// - `mhc_fused_post_pre_n4(x [T,H], residual, post_in, comb_in, fn, scale, base, residual_out,
+///   post, comb, layer_input, partials, sync, T, H, …as mhc_pre)`
+/// - `mhc_post_n4(x [T,H], residual [T,n,H], post [T,n], comb [T,n,n], out [T,n,H], T, H,
+///   tokens_per_block)`
+pub fn source() -> &'static KernelSource {
+    static SRC: OnceLock<KernelSource> = OnceLock::new();
+    SRC.get_or_init(|| {
+        let u = |name| Param::scalar(name, ScalarKind::U32);
+        let f = |name| Param::scalar(name, ScalarKind::F32);
+        let pre_scalars = || {
+            vec![
+                u("T"),
+                u("H"),
+                f("rms_eps"),
+                f("pre_eps"),
+                f("sinkhorn_eps"),
+                f("post_mult"),
+                u("iters"),
+                u("tile_tokens"),
+                u("finish_tokens"),
+            ]
+        };
+        let workspace = || vec![Param::inout::<f32>("partials"), Param::inout::<u32>("sync")];
+        let mut head = vec![
+            Param::input::<bf16>("residual"),
+            Param::input::<f32>("fn"),
+            Param::input::<f32>("scale"),
+            Param::input::<f32>("base"),
+            Param::output::<bf16>("out"),
+        ];
+        head.extend(workspace());
+        head.extend([u("T"), u("H"), f("rms_eps"), f("hc_eps"), u("tile_tokens"), u("finish_tokens")]);
+        let mut pre = vec![
+            Param::input::<bf16>("residual"),
+            Param::input::<f32>("fn"),
+            Param::input::<f32>("scale"),
+            Param::input::<f32>("base"),
+            Param::output::<f32>("post_out"),
+            Param::output::<f32>("comb_out"),
+            Param::output::<bf16>("layer_input"),
+        ];
+        pre.extend(workspace());
+        pre.extend(pre_scalars());
+        let mut fused = vec![
+            Param::input::<bf16>("x_in"),
+            Param::input::<bf16>("residual"),
+            Param::input::<f32>("post_in"),
+            Param::input::<f32>("comb_in"),
+            Param::input::<f32>("fn"),
+            Param::input::<f32>("scale"),
+            Param::input::<f32>("base"),
+            Param::output::<bf16>("residual_out"),
+            Param::output::<f32>("post_out"),
+            Param::output::<f32>("comb_out"),
+            Param::output::<bf16>("layer_input"),
+        ];
+        fused.extend(workspace());
+        fused.extend(pre_scalars());
+        let post = vec![
+            Param::input::<bf16>("x"),
+            Param::input::<bf16>("residual"),
+            Param::input::<f32>("post"),
+            Param::input::<f32>("comb"),
+            Param::output::<bf16>("out"),
+            u("T"),
+            u("H"),
+            u("tokens_per_block"),
+        ];
+        KernelSource {
+            name: "holdfast_mhc",
+            code: CODE,
+            entries: vec![
+                KernelEntry { name: HC_HEAD, params: head, cpu: hc_head_cpu },
+                KernelEntry { name: PRE, params: pre, cpu: pre_cpu },
+                KernelEntry { name: FUSED_POST_PRE, params: fused, cpu: fused_post_pre_cpu },
+                KernelEntry { name: POST, params: post, cpu: post_cpu },
+            ],
+        }
+    })
+}
+
+/// The mHC module compiled for one device, with its four kernels looked up once. Build it once
+/// per device (compilation is cached by the HAL anyway) and before any capture.
+#[derive(Clone, Debug)]
+pub struct MhcKernels {
+    pub(crate) module: Module,
+    pub(crate) hc_head: Kernel,
+    pub(crate) pre: Kernel,
+    pub(crate) fused_post_pre: Kernel,
+    pub(crate) post: Kernel,
+}
+
+impl MhcKernels {
+    /// Compiles (or fetches from the device's cache) the mHC module for `device`. Fails with the
+    /// HAL's compile error, or `IllegalDuringCapture` if a stream is capturing and the module is
+    /// not cached yet.
+    pub fn new(device: &Device) -> Result<Self> {
+        let module = device.compile(source())?;
+        Ok(MhcKernels {
+            hc_head: module.kernel(HC_HEAD)?,
+            pre: module.kernel(PRE)?,
+            fused_post_pre: module.kernel(FUSED_POST_PRE)?,
+            post: module.kernel(POST)?,
+            module,
+        })
+    }
+
+    /// The compiled module.
+    pub fn module(&self) -> &Module {
+        &self.module
+    }
+}

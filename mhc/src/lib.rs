@@ -1,0 +1,72 @@
+//! # holdfast-mhc: the mHC ops of DeepSeek-V4 as fused, capturable, batch-invariant kernels
+//!
+//! Manifold-constrained hyper-connections keep `n = 4` residual streams per token
+//! (`[T, n, H]` bf16). Four ops move data between them and the sublayers (spec §6):
+//! [`MhcOps::pre`] (gates, Sinkhorn-mixed streams, the sublayer input), [`MhcOps::post`] (write a
+//! sublayer output back), [`MhcOps::fused_post_pre`] (both, one launch) and [`MhcOps::hc_head`]
+//! (collapse the streams before the final norm). Each is one kernel launch into caller-provided
+//! views, validated first ([`MhcError`]), and a no-op for `T = 0`.
+//!
+//! ## Who defines the numbers
+//! [`reference`] is the definition (DESIGN.md 3.3): plain Rust over slices that the CPU backend
+//! runs in place of the kernels, and that the device kernels (`src/kernels.cu`, one source for
+//! CUDA and HIP) follow operation for operation: the same partition of each token's `n·H` row,
+//! the same per-lane fma order, the same xor-tree lane sums and split order, explicit fmas where
+//! the reference has them (so the compiler's contraction changes nothing), and correctly rounded
+//! division and square root (no `rsqrtf`). A GPU result differs from the reference only where the
+//! device `expf` does, a few ulp in a gate.
+//!
+//! ## Precision policy
+//! - bf16 storage, f32 arithmetic; every bf16 input converts exactly; outputs round to nearest
+//!   even once.
+//! - The projection `x · fnᵀ` is an f32 fma reduction on the CUDA cores: no TF32 (vLLM's CUDA
+//!   path uses a TF32 GEMM), no bf16 rounding of `x̂` (its Triton `hc_head` does that). The RMS
+//!   factor is applied after the projection, `mix = (x · fnᵀ) · rsqrt(Σx²/D + eps)`, as in §6.2
+//!   and vLLM's fused kernels; this equals projecting the normalised input up to rounding.
+//! - Sinkhorn runs in f32 with IEEE division, exactly §6.2 step 4 (softmax + eps, column
+//!   normalisation, then `iters - 1` row/column pairs).
+//! - Tests hold bf16 outputs to relative L2 ≤ 1e-2 and f32 outputs to ≤ 1e-4 of an f64 evaluation
+//!   of §6, and the device to the same bounds against the reference (DESIGN.md 8).
+//!
+//! ## Batch invariance and capture
+//! A token's reduction structure depends on `H` only (`ceil(H / 256)` splits of 32 lanes × 8
+//! elements), never on `T`, the tile sizes or the grid, and no atomics touch data: a token's
+//! outputs are the same bits whether it runs alone or among 16 K others. Launch shapes are a
+//! function of `T` (see [`MhcOps::launch_config`]), so a graph captured at a padded `T` replays the
+//! same launch. The split-reduction kernels claim work items from a ticket counter and a finish
+//! item waits only for items claimed before it, so they cannot deadlock; every counter is reset by
+//! its last user, so each launch leaves the workspace ready for the next, graph replays included.
+//!
+//! ## Kernel design (memory-bound; one launch per op)
+//! - `hc_head`, `mhc_pre`, `mhc_fused_post_pre`: blocks of 256 threads. A *projection item*
+//!   (tile of up to 128 tokens × one split of 256 `h`) reads each stream's 16-byte chunk per lane
+//!   and accumulates Σx² and the `n` (or `n(n+2)`) dot products for a register tile of tokens,
+//!   reusing every weight load across the tile; it writes per-split partials. A *finish item*
+//!   (1 to 16 tokens) sums the partials, computes the gates (and the Sinkhorn, 16 lanes per token),
+//!   and writes the weighted stream sum while the residual is still in L2. Grid:
+//!   `tiles · (splits + finish items per tile)`.
+//! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.
+//! - Rows that are not 16-byte aligned or `H % 8 != 0` take a scalar path with the same
+//!   arithmetic. Shared memory stays under 48 KB (no opt-in attribute needed).
+//!
+//! Bytes moved per op: [`MhcOp::bytes_moved`].
+
+mod error;
+mod fused;
+mod head;
+mod kernels;
+mod ops;
+mod params;
+mod plan;
+mod post;
+mod pre;
+pub mod reference;
+
+pub use error::{MhcError, Result};
+pub use fused::MhcPostInputs;
+pub use kernels::{source, MhcKernels};
+pub use ops::{HcHeadWeights, MhcConfig, MhcOps, MhcPreOutputs, MhcPreWeights};
+pub use params::{HcHeadParams, MhcOp, MhcPreParams};
+
+/// Residual streams per token (`hc_mult`) that the kernels are built for.
+pub const HC_MULT: usize = 4;

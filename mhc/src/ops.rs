@@ -1,0 +1,200 @@
+//! [`MhcOps`]: the launchers, their configuration and their workspace.
+
+use holdfast_hal::{bf16, Buffer, Device, LaunchConfig, RawView, View};
+
+use crate::error::{MhcError, Result};
+use crate::kernels::MhcKernels;
+use crate::params::MhcOp;
+use crate::plan::{self, Reduce};
+use crate::reference::{splits, PRE_ROWS};
+use crate::HC_MULT;
+
+/// What an [`MhcOps`] is built for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MhcConfig {
+    /// Residual streams `n` (config `hc_mult`); only 4 has kernels.
+    pub hc_mult: usize,
+    /// Hidden size `H` (4096 for V4-Flash, 7168 for V4-Pro); any `H >= 1` with `n·H <= 2^24`.
+    pub hidden: usize,
+    /// Most tokens `T` of one call (the largest captured size, or `max_num_batched_tokens`). Sizes
+    /// the workspace: `max_tokens · ceil(H / 256) · 25` f32 and `1 + 2·max_tokens` u32.
+    pub max_tokens: usize,
+}
+
+/// The weights of `hc_head` (§6.5), all f32.
+#[derive(Clone, Copy, Debug)]
+pub struct HcHeadWeights<'a> {
+    /// `hc_head_fn [n, n·H]`.
+    pub hc_fn: &'a View<f32>,
+    /// `hc_head_scale [1]`.
+    pub scale: &'a View<f32>,
+    /// `hc_head_base [n]`.
+    pub base: &'a View<f32>,
+}
+
+/// The weights of one `mhc_pre` (§6.2; per layer and sublayer: `hc_attn_*`, `hc_ffn_*`), all f32.
+#[derive(Clone, Copy, Debug)]
+pub struct MhcPreWeights<'a> {
+    /// `fn [n(n+2), n·H]` (24 rows for `n = 4`): rows `[0, n)` pre, `[n, 2n)` post, then the `n×n`
+    /// comb logits row-major.
+    pub hc_fn: &'a View<f32>,
+    /// `scale [3]`: pre, post, comb.
+    pub scale: &'a View<f32>,
+    /// `base [n(n+2)]`.
+    pub base: &'a View<f32>,
+}
+
+/// Where `mhc_pre` (and the pre half of `mhc_fused_post_pre`) writes.
+#[derive(Clone, Copy, Debug)]
+pub struct MhcPreOutputs<'a> {
+    /// `post [T, n]` f32.
+    pub post: &'a View<f32>,
+    /// `comb [T, n, n]` f32 (`comb[t][i][j]`: input stream `i` to output stream `j`).
+    pub comb: &'a View<f32>,
+    /// `layer_input [T, H]` bf16.
+    pub layer_input: &'a View<bf16>,
+}
+
+/// The mHC ops on one device, for one [`MhcConfig`].
+///
+/// Every op takes caller-provided views (exact lengths for the call's `T`, derived from the
+/// residual's length), validates them, and enqueues exactly one kernel launch on the stream (none
+/// for `T = 0`). Launch shapes depend on `T` alone, so the ops are capturable: capture at a padded
+/// `T` with views of persistent buffers and replay with fresh contents.
+///
+/// The split-reduction ops (`hc_head`, `mhc_pre`, `mhc_fused_post_pre`) share one persistent
+/// workspace owned here. Launches on one stream are ordered and leave it ready for the next, but
+/// two launches of the same `MhcOps` must not run concurrently on different streams: build one
+/// `MhcOps` per stream.
+#[derive(Debug)]
+pub struct MhcOps {
+    pub(crate) kernels: MhcKernels,
+    pub(crate) config: MhcConfig,
+    /// Multiprocessors (compute units) of the device, for the launch shapes.
+    units: usize,
+    pub(crate) partials: Buffer<f32>,
+    pub(crate) sync: Buffer<u32>,
+}
+
+impl MhcOps {
+    /// Builds the ops for `config` on `device`: checks the configuration and allocates the
+    /// workspace (persistent; the counters zeroed). Do this before capturing.
+    pub fn new(device: &Device, kernels: &MhcKernels, config: MhcConfig) -> Result<Self> {
+        if config.hc_mult != HC_MULT {
+            return Err(MhcError::Unsupported(format!("hc_mult {} (kernels exist for 4 only)", config.hc_mult)));
+        }
+        if config.hidden == 0 || config.hc_mult * config.hidden > 1 << 24 {
+            return Err(MhcError::Unsupported(format!("hidden {} (need 1 <= n·H <= 2^24)", config.hidden)));
+        }
+        if u32::try_from(config.max_tokens).is_err() {
+            return Err(MhcError::Unsupported(format!("max_tokens {} does not fit 32 bits", config.max_tokens)));
+        }
+        if kernels.module.device_id() != device.id() {
+            return Err(MhcError::Hal(holdfast_hal::HalError::DeviceMismatch(
+                "MhcOps::new: the kernels were compiled for another device".into(),
+            )));
+        }
+        let t = config.max_tokens.max(1);
+        let partials = device.alloc_persistent::<f32>("mhc.partials", t * splits(config.hidden) * (PRE_ROWS + 1))?;
+        let sync = device.alloc_zeroed::<u32>("mhc.sync", 1 + 2 * t, true)?;
+        let units = (device.info().compute_units as usize).max(1);
+        Ok(MhcOps { kernels: kernels.clone(), config, units, partials, sync })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MhcConfig {
+        &self.config
+    }
+
+    /// Bytes of device memory the workspace holds.
+    pub fn workspace_bytes(&self) -> usize {
+        self.partials.bytes() + self.sync.bytes()
+    }
+
+    /// The launch `op` makes for `tokens` tokens (`None` for 0: nothing is launched). A function of
+    /// `tokens` for a given `MhcOps`, so every call at a padded size launches the same shape.
+    pub fn launch_config(&self, op: MhcOp, tokens: usize) -> Option<LaunchConfig> {
+        if tokens == 0 {
+            return None;
+        }
+        let h = self.config.hidden;
+        Some(match op {
+            MhcOp::HcHead => plan::reduce(Reduce::Head, tokens, h, self.units).config,
+            MhcOp::Pre => plan::reduce(Reduce::Pre, tokens, h, self.units).config,
+            MhcOp::FusedPostPre => plan::reduce(Reduce::Fused, tokens, h, self.units).config,
+            MhcOp::Post => plan::post(tokens, h).0,
+        })
+    }
+
+    pub(crate) fn reduce_plan(&self, kind: Reduce, tokens: usize) -> plan::ReducePlan {
+        plan::reduce(kind, tokens, self.config.hidden, self.units)
+    }
+
+    /// Tokens of a residual view `[T, n, H]`, checked against `max_tokens`.
+    pub(crate) fn tokens(&self, op: &'static str, residual: &View<bf16>) -> Result<usize> {
+        let t = crate::reference::tokens_of(op, residual.len(), self.config.hidden)?;
+        if t > self.config.max_tokens {
+            return Err(MhcError::TooManyTokens { op, tokens: t, max_tokens: self.config.max_tokens });
+        }
+        Ok(t)
+    }
+
+    pub(crate) fn check_pre_weights(&self, op: &'static str, w: &MhcPreWeights<'_>) -> Result<()> {
+        let d = HC_MULT * self.config.hidden;
+        len(op, "hc_fn", w.hc_fn.len(), PRE_ROWS * d, || format!("[{PRE_ROWS}, {d}]"))?;
+        len(op, "scale", w.scale.len(), 3, || "[3]".into())?;
+        len(op, "base", w.base.len(), PRE_ROWS, || format!("[{PRE_ROWS}]"))
+    }
+
+    pub(crate) fn check_pre_outputs(&self, op: &'static str, t: usize, o: &MhcPreOutputs<'_>) -> Result<()> {
+        let (n, h) = (HC_MULT, self.config.hidden);
+        len(op, "post", o.post.len(), t * n, || format!("[T={t}, n={n}]"))?;
+        len(op, "comb", o.comb.len(), t * n * n, || format!("[T={t}, n={n}, n={n}]"))?;
+        len(op, "layer_input", o.layer_input.len(), t * h, || format!("[T={t}, H={h}]"))
+    }
+}
+
+/// Checks a view's length.
+pub(crate) fn len(
+    op: &'static str,
+    arg: &'static str,
+    got: usize,
+    expected: usize,
+    shape: impl FnOnce() -> String,
+) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(MhcError::Shape { op, arg, expected, got, shape: shape() })
+    }
+}
+
+fn overlap(a: &RawView, b: &RawView) -> bool {
+    let (a0, b0) = (a.addr(), b.addr());
+    let (a1, b1) = (a0 + a.bytes() as u64, b0 + b.bytes() as u64);
+    a.bytes() > 0 && b.bytes() > 0 && a0 < b1 && b0 < a1
+}
+
+/// Rejects any output that overlaps an input or another output. `in_place` names an (output,
+/// input) pair that may be exactly the same view.
+pub(crate) fn disjoint(
+    op: &'static str,
+    outputs: &[(&'static str, RawView)],
+    inputs: &[(&'static str, RawView)],
+    in_place: Option<(&'static str, &'static str)>,
+) -> Result<()> {
+    for (k, (oname, o)) in outputs.iter().enumerate() {
+        for (iname, i) in inputs {
+            let same = o.addr() == i.addr() && o.bytes() == i.bytes();
+            if overlap(o, i) && !(same && in_place == Some((oname, iname))) {
+                return Err(MhcError::Overlap { op, output: oname, input: iname });
+            }
+        }
+        for (pname, p) in &outputs[..k] {
+            if overlap(o, p) {
+                return Err(MhcError::Overlap { op, output: oname, input: pname });
+            }
+        }
+    }
+    Ok(())
+}

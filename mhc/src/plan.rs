@@ -1,0 +1,123 @@
+//! Launch shapes. Each is a function of the token count, the hidden size and the device's
+//! multiprocessor count only, so a graph captured at a padded `T` replays the same shape; and none
+//! of them changes a token's arithmetic (the reduction structure depends on `H` alone), so any
+//! shape gives the same bits.
+
+use holdfast_hal::LaunchConfig;
+
+use crate::reference::splits;
+
+/// Threads per block of the split-reduction kernels (`MHC_THREADS`).
+pub(crate) const THREADS: u32 = 256;
+/// 32-lane groups per block.
+const GROUPS: usize = 8;
+/// Most tokens a finish item handles (`MHC_FINISH_MAX`: one 16-lane Sinkhorn group each).
+pub(crate) const FINISH_MAX: usize = 16;
+/// Most tokens per projection tile.
+const TILE_MAX: usize = 128;
+/// Threads per block of `mhc_post` (`MHC_POST_THREADS`).
+const POST_THREADS: u32 = 128;
+/// Largest grid y dimension.
+const GRID_Y_MAX: usize = 65_535;
+
+/// The split-reduction kernels' register tile (`MHC_TT_*`): tokens per lane per pass.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Reduce {
+    Head,
+    Pre,
+    Fused,
+}
+
+impl Reduce {
+    fn tokens_per_lane(self) -> usize {
+        match self {
+            Reduce::Head | Reduce::Pre => 4,
+            Reduce::Fused => 2,
+        }
+    }
+}
+
+/// Shape of one split-reduction launch: `tiles · (splits + finish_per_tile)` blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReducePlan {
+    /// Tokens per projection tile.
+    pub tile_tokens: usize,
+    /// Tokens per finish item.
+    pub finish_tokens: usize,
+    /// Tiles: `ceil(T / tile_tokens)` (counters needed: `1 + 2·tiles`).
+    pub tiles: usize,
+    /// The launch.
+    pub config: LaunchConfig,
+}
+
+/// Plans a split-reduction launch for `tokens > 0`: enough projection items to give every
+/// multiprocessor about two (`units` of them), tiles of whole passes (8 groups × the register tile)
+/// up to 128 tokens, and finish items of about 16 K elements of `h` (1 to 16 tokens).
+pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize) -> ReducePlan {
+    let s = splits(hidden);
+    let pass = GROUPS * kind.tokens_per_lane();
+    let tiles_wanted = (2 * units.max(1)).div_ceil(s).max(1);
+    let mut tile = tokens.div_ceil(tiles_wanted).clamp(1, TILE_MAX);
+    if tile > pass {
+        tile = (tile.div_ceil(pass) * pass).min(TILE_MAX);
+    }
+    let finish = (16_384 / hidden.max(1)).clamp(1, FINISH_MAX).min(tile);
+    let tiles = tokens.div_ceil(tile);
+    let blocks = tiles * (s + tile.div_ceil(finish));
+    ReducePlan {
+        tile_tokens: tile,
+        finish_tokens: finish,
+        tiles,
+        config: LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS),
+    }
+}
+
+/// Shape of an `mhc_post` launch for `tokens > 0`: `(ceil(H / 8 / 128), ceil(T / per_block))`
+/// blocks of 128 threads, one 8-element chunk of `h` per thread; returns the config and the tokens
+/// per block (1 unless `T` passes the grid's y limit).
+pub(crate) fn post(tokens: usize, hidden: usize) -> (LaunchConfig, usize) {
+    let per_block = tokens.div_ceil(GRID_Y_MAX).max(1);
+    let x = hidden.div_ceil(8).div_ceil(POST_THREADS as usize).max(1);
+    let y = tokens.div_ceil(per_block).max(1);
+    let cfg = LaunchConfig {
+        grid: (u32::try_from(x).unwrap_or(u32::MAX), u32::try_from(y).unwrap_or(u32::MAX), 1),
+        block: (POST_THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    (cfg, per_block)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reduce_plans_cover_every_token_and_respect_the_limits() {
+        for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
+            for hidden in [1, 7, 256, 300, 4096, 7168] {
+                for tokens in [1, 2, 3, 31, 64, 100, 1000, 1024, 4096, 16_384] {
+                    for units in [1, 2, 132] {
+                        let p = reduce(kind, tokens, hidden, units);
+                        assert!(p.tile_tokens >= 1 && p.tile_tokens <= TILE_MAX);
+                        assert!(p.finish_tokens >= 1 && p.finish_tokens <= FINISH_MAX.min(p.tile_tokens));
+                        assert!(p.tiles * p.tile_tokens >= tokens && (p.tiles - 1) * p.tile_tokens < tokens);
+                        let f = p.tile_tokens.div_ceil(p.finish_tokens);
+                        assert_eq!(p.config.grid.0 as usize, p.tiles * (splits(hidden) + f));
+                        assert_eq!(p.config.block, (THREADS, 1, 1));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn post_plans_cover_every_chunk_and_token() {
+        for hidden in [1, 8, 9, 1024, 7168] {
+            for tokens in [1, 5, 65_535, 65_536, 200_000] {
+                let (cfg, per) = post(tokens, hidden);
+                assert!(cfg.grid.1 as usize * per >= tokens && cfg.grid.1 <= 65_535);
+                assert!(cfg.grid.0 as usize * 128 * 8 >= hidden);
+            }
+        }
+    }
+}
