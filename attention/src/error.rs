@@ -30,6 +30,14 @@ pub enum AttentionError {
     /// A builder was asked to build before any step was staged.
     #[error("no step is staged: call CommonAttentionMetadata::stage first")]
     NotStaged,
+    /// Views whose lengths do not fit a kernel launch, or a shape its tiling does not support.
+    #[error("{op}: {detail}")]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// What does not fit.
+        detail: String,
+    },
     /// A builder was handed common metadata of another size class than it was built for.
     #[error("common metadata mismatch: {0}")]
     Mismatch(String),

@@ -8,6 +8,10 @@
 //! builders ([`SwaBuilder`], [`C128aBuilder`], [`C4aBuilder`]) turn it into dense and ragged index
 //! lists with kernels of [`source`] and the generic scan / pack of `holdfast-kernels`.
 //!
+//! The kernels that consume the metadata live here too: [`SparseAttention`] inserts each token's
+//! latent KV into a paged cache by slot mapping and runs the ragged sparse attention (main = SWA,
+//! extra = compressed entries) with a per-head attention sink.
+//!
 //! ## Design choices
 //! - **Zero host syncs.** vLLM reads `nnz` back (`.item()`) once per ragged builder per step. Here
 //!   the flat buffer of a ragged form is sized for the worst case at construction (`rows ×
@@ -37,6 +41,7 @@ mod common;
 mod error;
 mod layer;
 pub mod source;
+mod sparse_attention;
 mod swa;
 
 pub use c128a::{c128a_max_compressed, C128aBuilder, C128aDecode, C128aMetadata, C128A_ALIGN, C128A_RATIO};
@@ -48,4 +53,7 @@ pub use common::{
 pub use error::{AttentionError, Result};
 pub use layer::LayerKind;
 pub use source::C4A_THREADS;
+pub use sparse_attention::{
+    source as sparse_attention_source, RaggedKv, SparseAttention, HEADS_PER_BLOCK, MAX_CHUNKS_PER_LANE,
+};
 pub use swa::{SwaBuilder, SwaDecode, SwaMetadata, SwaPrefill};

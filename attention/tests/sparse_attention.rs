@@ -1,0 +1,363 @@
+//! The KV insert and ragged sparse attention kernels against f64 definitions on fresh random
+//! inputs with poisoned outputs, batch invariance, graph replay over a growing sequence, and
+//! construction errors. Runs on `cpu` always and on `cuda:0` when present.
+
+use holdfast_attention::{RaggedKv, SparseAttention};
+use holdfast_hal::{bf16, Buffer, Device, Stream};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() % 2_000_001) as f32 / 1_000_000.0 - 1.0
+    }
+}
+
+fn bf(v: &[f32]) -> Vec<bf16> {
+    v.iter().map(|&x| bf16::from_f32(x)).collect()
+}
+
+/// The f64 definition of one row: softmax over the valid keys and the sink, values = keys.
+fn row_f64(q: &[bf16], keys: &[&[bf16]], sink: &[f32], heads: usize, d: usize, scale: f64) -> Vec<f64> {
+    let mut out = vec![0f64; heads * d];
+    for h in 0..heads {
+        let qh = &q[h * d..(h + 1) * d];
+        let logits: Vec<f64> = keys
+            .iter()
+            .map(|k| {
+                qh.iter().zip(k.iter()).map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32())).sum::<f64>() * scale
+            })
+            .collect();
+        let m = logits.iter().copied().fold(f64::from(sink[h]), f64::max);
+        let den: f64 = logits.iter().map(|s| (s - m).exp()).sum::<f64>() + (f64::from(sink[h]) - m).exp();
+        for (s, k) in logits.iter().zip(keys) {
+            let p = (s - m).exp() / den;
+            for i in 0..d {
+                out[h * d + i] += p * f64::from(k[i].to_f32());
+            }
+        }
+    }
+    out
+}
+
+struct Case {
+    rows: usize,
+    heads: usize,
+    d: usize,
+    q: Vec<bf16>,
+    main: Vec<bf16>,
+    extra: Vec<bf16>,
+    main_lists: Vec<Vec<i32>>,
+    extra_lists: Vec<Vec<i32>>,
+    sink: Vec<f32>,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn case(
+    rng: &mut Rng,
+    rows: usize,
+    heads: usize,
+    d: usize,
+    s_main: usize,
+    s_extra: usize,
+    max_main: usize,
+    max_extra: usize,
+) -> Case {
+    let list = |rng: &mut Rng, max: usize, slots: usize| -> Vec<i32> {
+        (0..rng.below(max + 1))
+            .map(|_| match rng.below(10) {
+                0 => -1,
+                1 => (slots + rng.below(5)) as i32, // out of range: skipped
+                _ => rng.below(slots) as i32,
+            })
+            .collect()
+    };
+    Case {
+        rows,
+        heads,
+        d,
+        q: bf(&(0..rows * heads * d).map(|_| rng.unit() * 2.0).collect::<Vec<_>>()),
+        main: bf(&(0..s_main * d).map(|_| rng.unit()).collect::<Vec<_>>()),
+        extra: bf(&(0..s_extra * d).map(|_| rng.unit()).collect::<Vec<_>>()),
+        main_lists: (0..rows).map(|_| list(rng, max_main, s_main)).collect(),
+        extra_lists: (0..rows).map(|_| list(rng, max_extra, s_extra)).collect(),
+        sink: (0..heads).map(|_| rng.unit() * 3.0).collect(),
+    }
+}
+
+fn ragged(lists: &[Vec<i32>]) -> (Vec<i32>, Vec<i32>) {
+    let mut indptr = vec![0i32];
+    let mut flat = Vec::new();
+    for l in lists {
+        flat.extend_from_slice(l);
+        indptr.push(flat.len() as i32);
+    }
+    flat.push(-1); // never zero-length
+    (flat, indptr)
+}
+
+struct Dev {
+    q: Buffer<bf16>,
+    main: Buffer<bf16>,
+    extra: Buffer<bf16>,
+    mi: Buffer<i32>,
+    mp: Buffer<i32>,
+    ei: Buffer<i32>,
+    ep: Buffer<i32>,
+    sink: Buffer<f32>,
+    out: Buffer<bf16>,
+}
+
+fn upload(dev: &Device, c: &Case) -> Dev {
+    let (mi, mp) = ragged(&c.main_lists);
+    let (ei, ep) = ragged(&c.extra_lists);
+    let up = |l: &str, v: &[bf16]| dev.alloc_from_slice(l, v, true).expect("upload");
+    let upi = |l: &str, v: &[i32]| dev.alloc_from_slice(l, v, true).expect("upload");
+    Dev {
+        q: up("q", &c.q),
+        main: up("swa_cache", &c.main),
+        extra: up("compressed_cache", &c.extra),
+        mi: upi("main_idx", &mi),
+        mp: upi("main_indptr", &mp),
+        ei: upi("extra_idx", &ei),
+        ep: upi("extra_indptr", &ep),
+        sink: dev.alloc_from_slice("sink", &c.sink, true).expect("sink"),
+        out: up("out", &vec![bf16::NAN; (c.rows * c.heads * c.d).max(1)]),
+    }
+}
+
+fn run(k: &SparseAttention, s: &Stream, b: &Dev, rows: usize, cells: usize, scale: f32) {
+    let (mc, mi, mp) = (b.main.view(), b.mi.view(), b.mp.prefix(rows + 1).expect("p"));
+    let (ec, ei, ep) = (b.extra.view(), b.ei.view(), b.ep.prefix(rows + 1).expect("p"));
+    let main = RaggedKv { cache: &mc, indices: &mi, indptr: &mp };
+    let extra = RaggedKv { cache: &ec, indices: &ei, indptr: &ep };
+    k.attend(
+        s,
+        &b.q.prefix(cells.max(1)).expect("q"),
+        &main,
+        Some(&extra),
+        &b.sink.view(),
+        &b.out.prefix(cells.max(1)).expect("o"),
+        scale,
+    )
+    .expect("attend");
+}
+
+fn attention_matches_its_f64_definition(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(0x5EED);
+    for (rows, heads, d, s_main, s_extra, max_main, max_extra) in [
+        (1usize, 1usize, 64usize, 40usize, 10usize, 16usize, 8usize),
+        (7, 13, 64, 300, 64, 128, 40),
+        (16, 8, 512, 256, 64, 128, 64),
+        (3, 64, 512, 128, 32, 64, 32),
+    ] {
+        let c = case(&mut rng, rows, heads, d, s_main, s_extra, max_main, max_extra);
+        let b = upload(dev, &c);
+        let k = SparseAttention::new(dev, heads, d).expect("kernel");
+        let scale = 1.0 / (d as f32).sqrt();
+        run(&k, &s, &b, rows, rows * heads * d, scale);
+        let got = s.copy_to_host_sync(&b.out.view()).expect("read");
+        let (mut num, mut den) = (0f64, 0f64);
+        for r in 0..rows {
+            let keys: Vec<&[bf16]> = c.main_lists[r]
+                .iter()
+                .filter(|&&x| x >= 0 && (x as usize) < s_main)
+                .map(|&x| &c.main[x as usize * d..(x as usize + 1) * d])
+                .chain(
+                    c.extra_lists[r]
+                        .iter()
+                        .filter(|&&x| x >= 0 && (x as usize) < s_extra)
+                        .map(|&x| &c.extra[x as usize * d..(x as usize + 1) * d]),
+                )
+                .collect();
+            let want = row_f64(&c.q[r * heads * d..(r + 1) * heads * d], &keys, &c.sink, heads, d, f64::from(scale));
+            let g = &got[r * heads * d..(r + 1) * heads * d];
+            assert!(g.iter().all(|v| !v.is_nan()), "row {r}: NaN (unwritten or invalid)");
+            if keys.is_empty() {
+                assert!(
+                    g.iter().all(|v| v.to_f32() == 0.0),
+                    "row {r}: no entries must give the sink-only result, zeros"
+                );
+            }
+            for (a, w) in g.iter().zip(&want) {
+                num += (f64::from(a.to_f32()) - w).powi(2);
+                den += w * w;
+            }
+        }
+        let rel = (num / den.max(1e-30)).sqrt();
+        assert!(rel <= 1e-2, "rows {rows} heads {heads} d {d}: relative L2 {rel}");
+    }
+}
+
+fn kv_insert_matches_its_definition(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(77);
+    let (t, d, slots) = (37usize, 64usize, 100usize);
+    let k = SparseAttention::new(dev, 1, d).expect("kernel");
+    let kv = bf(&(0..t * d).map(|_| rng.unit()).collect::<Vec<_>>());
+    let mut perm: Vec<i32> = (0..slots as i32).collect();
+    for i in (1..perm.len()).rev() {
+        perm.swap(i, rng.below(i + 1));
+    }
+    let slot_map: Vec<i32> = (0..t)
+        .map(|i| {
+            if i % 5 == 4 {
+                -1
+            } else if i % 11 == 10 {
+                slots as i32 + 3
+            } else {
+                perm[i]
+            }
+        })
+        .collect();
+    let kvb = dev.alloc_from_slice("kv", &kv, true).expect("kv");
+    let sb = dev.alloc_from_slice("slot_mapping", &slot_map, true).expect("slots");
+    let cache = dev.alloc_from_slice("cache", &vec![bf16::NAN; slots * d], true).expect("cache");
+    k.insert(&s, &kvb.view(), &sb.view(), &cache.view()).expect("insert");
+    let got = s.copy_to_host_sync(&cache.view()).expect("read");
+    let mut want = vec![bf16::NAN; slots * d];
+    for (i, &sl) in slot_map.iter().enumerate() {
+        if sl >= 0 && (sl as usize) < slots {
+            want[sl as usize * d..(sl as usize + 1) * d].copy_from_slice(&kv[i * d..(i + 1) * d]);
+        }
+    }
+    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "insert writes exactly the valid slots");
+}
+
+fn a_row_is_the_same_alone_and_in_a_padded_batch_of_256(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(99);
+    let (heads, d) = (16usize, 128usize);
+    let k = SparseAttention::new(dev, heads, d).expect("kernel");
+    let big = case(&mut rng, 256, heads, d, 512, 64, 128, 32);
+    let mut padded = case(&mut rng, 0, heads, d, 0, 0, 0, 0);
+    padded.rows = 260;
+    padded.q = big.q.clone();
+    padded.q.extend(std::iter::repeat_n(bf16::ZERO, 4 * heads * d));
+    padded.main = big.main.clone();
+    padded.extra = big.extra.clone();
+    padded.main_lists = big.main_lists.clone();
+    padded.extra_lists = big.extra_lists.clone();
+    padded.main_lists.extend(vec![Vec::new(); 4]);
+    padded.extra_lists.extend(vec![Vec::new(); 4]);
+    padded.sink = big.sink.clone();
+    let row = 137;
+    let mut alone = case(&mut rng, 0, heads, d, 0, 0, 0, 0);
+    alone.rows = 1;
+    alone.q = big.q[row * heads * d..(row + 1) * heads * d].to_vec();
+    alone.main = big.main.clone();
+    alone.extra = big.extra.clone();
+    alone.main_lists = vec![big.main_lists[row].clone()];
+    alone.extra_lists = vec![big.extra_lists[row].clone()];
+    alone.sink = big.sink.clone();
+    let scale = 0.1;
+    let mut outs = Vec::new();
+    for c in [&big, &padded, &alone] {
+        let b = upload(dev, c);
+        run(&k, &s, &b, c.rows, c.rows * heads * d, scale);
+        outs.push(s.copy_to_host_sync(&b.out.view()).expect("read"));
+    }
+    let cells = heads * d;
+    let pick = |o: &Vec<bf16>, r: usize| o[r * cells..(r + 1) * cells].iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert_eq!(pick(&outs[0], row), pick(&outs[2], 0), "alone vs in a batch of 256");
+    assert_eq!(pick(&outs[0], row), pick(&outs[1], row), "unpadded vs padded batch");
+    assert!(outs[1][256 * cells..].iter().all(|v| v.to_f32() == 0.0), "padding rows give zeros");
+}
+
+/// q, kv, slot, cache, indices, indptr, sink, out.
+type StepBuffers =
+    (Buffer<bf16>, Buffer<bf16>, Buffer<i32>, Buffer<bf16>, Buffer<i32>, Buffer<i32>, Buffer<f32>, Buffer<bf16>);
+
+fn a_captured_decode_step_replays_a_growing_sequence_like_eager(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(4242);
+    let (heads, d, window, slots) = (8usize, 64usize, 16usize, 128usize);
+    let k = SparseAttention::new(dev, heads, d).expect("kernel");
+    let mk = |tag: &str| {
+        (
+            dev.alloc_zeroed::<bf16>(&format!("{tag}.q"), heads * d, true).expect("q"),
+            dev.alloc_zeroed::<bf16>(&format!("{tag}.kv"), d, true).expect("kv"),
+            dev.alloc_zeroed::<i32>(&format!("{tag}.slot"), 1, true).expect("slot"),
+            dev.alloc_zeroed::<bf16>(&format!("{tag}.cache"), slots * d, true).expect("cache"),
+            dev.alloc_zeroed::<i32>(&format!("{tag}.idx"), window, true).expect("idx"),
+            dev.alloc_zeroed::<i32>(&format!("{tag}.indptr"), 2, true).expect("indptr"),
+            dev.alloc_from_slice(&format!("{tag}.sink"), &vec![0.5f32; heads], true).expect("sink"),
+            dev.alloc_zeroed::<bf16>(&format!("{tag}.out"), heads * d, true).expect("out"),
+        )
+    };
+    let g = mk("graph");
+    let e = mk("eager");
+    let step = |b: &StepBuffers| {
+        k.insert(&s, &b.1.view(), &b.2.view(), &b.3.view()).expect("insert");
+        let (c, i, p) = (b.3.view(), b.4.view(), b.5.view());
+        k.attend(
+            &s,
+            &b.0.view(),
+            &RaggedKv { cache: &c, indices: &i, indptr: &p },
+            None,
+            &b.6.view(),
+            &b.7.view(),
+            0.125,
+        )
+        .expect("attend");
+    };
+    s.begin_capture("decode_step").expect("begin");
+    step(&g);
+    let graph = s.end_capture().expect("end");
+    for pos in 0..100usize {
+        let q = bf(&(0..heads * d).map(|_| rng.unit()).collect::<Vec<_>>());
+        let kv = bf(&(0..d).map(|_| rng.unit()).collect::<Vec<_>>());
+        let start = pos.saturating_sub(window - 1);
+        let idx: Vec<i32> =
+            (0..window).map(|j| if start + j <= pos { ((start + j) % slots) as i32 } else { -1 }).collect();
+        let len = (pos + 1 - start) as i32;
+        for b in [&g, &e] {
+            s.copy_from_host(&q, &b.0.view()).expect("q");
+            s.copy_from_host(&kv, &b.1.view()).expect("kv");
+            s.copy_from_host(&[(pos % slots) as i32], &b.2.view()).expect("slot");
+            s.copy_from_host(&idx, &b.4.view()).expect("idx");
+            s.copy_from_host(&[0, len], &b.5.view()).expect("indptr");
+        }
+        graph.replay(&s).expect("replay");
+        step(&e);
+        let (a, b) = (s.copy_to_host_sync(&g.7.view()).expect("g"), s.copy_to_host_sync(&e.7.view()).expect("e"));
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "step {pos}: replay differs from eager");
+    }
+}
+
+fn unsupported_shapes_are_errors_at_construction(dev: &Device) {
+    for (heads, d) in [(0usize, 64usize), (8, 48), (8, 0), (8, 1024)] {
+        let err = SparseAttention::new(dev, heads, d).expect_err("unsupported");
+        assert!(err.to_string().contains("SparseAttention::new"), "{err}");
+    }
+}
+
+holdfast_hal::device_suite!(
+    attention_matches_its_f64_definition,
+    kv_insert_matches_its_definition,
+    a_row_is_the_same_alone_and_in_a_padded_batch_of_256,
+    a_captured_decode_step_replays_a_growing_sequence_like_eager,
+    unsupported_shapes_are_errors_at_construction,
+);
+
+#[cfg(feature = "cuda")]
+#[test]
+fn sparse_attention_compiles_for_sm_90_with_nvrtc() {
+    use holdfast_hal::cuda;
+    if let Some(reason) = cuda::nvrtc_unavailable_reason() {
+        assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here: {reason}");
+        eprintln!("skipped: NVRTC is not available ({reason})");
+        return;
+    }
+    let (cubin, _) = cuda::compile(holdfast_attention::sparse_attention_source(), "sm_90", 32).expect("compiles");
+    assert!(!cubin.is_empty());
+}
