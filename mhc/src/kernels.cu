@@ -3,11 +3,13 @@
 // fused multiply-add and rounding below has its twin there, so keep the two in step.
 //
 // Reduction structure (fixed; it depends on H only, never on T or on the launch shape):
-//   h is cut into chunks of 8 (one 16-byte bf16 load); split s owns chunks [32 s, 32 s + 32), so
-//   S = ceil(H / 256). Lane l of a 32-lane group owns chunk 32 s + l of every stream and
-//   accumulates, stream by stream and element by element, fmaf(x, x, ss) and fmaf(x, fn[j], dot_j).
-//   The 32 lanes are summed with the xor tree (masks 16, 8, 4, 2, 1), giving one partial per
-//   (token, split, value); the S partials are summed in split order.
+//   h is cut into quads of 4; split s owns quads [64 s, 64 s + 64), so S = ceil(H / 256). Within a
+//   split, lane k of SUB owns quads 64 s + k + SUB r for r = 0 .. 64 / SUB and accumulates, quad by
+//   quad (r), stream by stream (i) and element by element, fmaf(x, x, ss) and fmaf(x, fn[j], dot_j)
+//   from 0. The SUB lanes are summed with the xor tree (masks SUB/2, ..., 2, 1), giving one partial
+//   per (token, split, value); the S partials are summed in split order. SUB is 32 for hc_head and
+//   8 for mhc_pre / mhc_fused_post_pre, whose 24 weight rows are shared by the 4 tokens of a warp
+//   slot (8 lanes x 16 bytes = one 128-byte line of fn per load instruction).
 //
 // Work items (one per block, claimed from a ticket counter so that a block only ever waits for
 // items claimed before its own): a projection item (tile of tokens, split) writes partials; a
@@ -19,18 +21,29 @@
 
 #define MHC_N 4
 #define MHC_CHUNK 8
-#define MHC_GROUP 32
-#define MHC_SPLIT_H (MHC_CHUNK * MHC_GROUP)
+#define MHC_QUAD 4          // h per projection unit (8-byte bf16 load, 16-byte fn load)
+#define MHC_SPLIT_QUADS 64  // quads per split
+#define MHC_SPLIT_H (MHC_QUAD * MHC_SPLIT_QUADS)
 #define MHC_THREADS 256
-#define MHC_GROUPS (MHC_THREADS / MHC_GROUP)
+#define MHC_SUB_HEAD 32     // lanes per token and split: hc_head (2 rounds each)
+#define MHC_SUB_PRE 8       // mhc_pre and fused (8 rounds each; 4 tokens share each weight load)
 #define MHC_FINISH_MAX 16
 #define MHC_POST_THREADS 128
-// Tokens per lane register tile (projection items): more reuse of each fn load, more registers.
-#define MHC_TT_HEAD 4
-#define MHC_TT_PRE 4
+// Projection register tiles: tokens per lane (reuse of each fn load) and rounds in flight (loads
+// issued ahead), and the blocks per multiprocessor the register budget must allow.
+#ifndef MHC_TUNE
+#define MHC_TT_HEAD 2
+#define MHC_UNROLL_HEAD 2
+#define MHC_BLOCKS_HEAD 2
+#define MHC_TT_PRE 2
+#define MHC_UNROLL_PRE 1
+#define MHC_BLOCKS_PRE 1
 #define MHC_TT_FUSED 2
+#define MHC_UNROLL_FUSED 1
+#define MHC_BLOCKS_FUSED 1
+#endif
 
-static_assert(HF_WARP_SIZE % MHC_GROUP == 0, "a 32-lane reduction group must not straddle warps");
+static_assert(HF_WARP_SIZE % 32 == 0, "32-lane groups must not straddle warps");
 static_assert(MHC_THREADS / (MHC_N * MHC_N) >= MHC_FINISH_MAX, "one 16-lane Sinkhorn group per finished token");
 
 struct alignas(16) mhc_u32x4 {
@@ -124,11 +137,67 @@ __device__ __forceinline__ void mhc_post_mix(const mhc_u32x4 xu, const mhc_u32x4
     }
 }
 
-// Sum of P values over the 32 lanes of a group with the xor tree 16, 8, 4, 2, 1. While more than one
+// ---- quads (4 h): the projection's unit, so the 8 subgroup lanes read one 128-byte line of fn ----
+
+struct alignas(8) mhc_u32x2 {
+    uint32_t x, y;
+};
+
+template <bool VEC>
+__device__ __forceinline__ mhc_u32x2 mhc_load4(const hf_bf16* row, uint32_t h0, uint32_t H) {
+    mhc_u32x2 u;
+    if (VEC) {
+        u = *reinterpret_cast<const mhc_u32x2*>(row + h0);
+    } else {
+        uint32_t b[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) b[e] = (h0 + e < H) ? (uint32_t)row[h0 + e].bits : 0u;
+        u.x = b[0] | (b[1] << 16); u.y = b[2] | (b[3] << 16);
+    }
+    return u;
+}
+__device__ __forceinline__ void mhc_unpack4(mhc_u32x2 u, float v[4]) {
+    v[0] = mhc_lo(u.x); v[1] = mhc_hi(u.x); v[2] = mhc_lo(u.y); v[3] = mhc_hi(u.y);
+}
+template <bool VEC>
+__device__ __forceinline__ void mhc_load_f4(const float* p, uint32_t ne, float f[4]) {
+    if (VEC) {
+        const mhc_f32x4 a = *reinterpret_cast<const mhc_f32x4*>(p);
+        f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) f[e] = ((uint32_t)e < ne) ? p[e] : 0.0f;
+    }
+}
+// mhc_post_mix on a quad (same operations, element for element).
+__device__ __forceinline__ void mhc_post_mix4(const mhc_u32x2 xu, const mhc_u32x2 ru[MHC_N], const float* coef,
+                                              mhc_u32x2 out[MHC_N]) {
+    float xv[4], rv[MHC_N][4];
+    mhc_unpack4(xu, xv);
+#pragma unroll
+    for (int i = 0; i < MHC_N; ++i) mhc_unpack4(ru[i], rv[i]);
+#pragma unroll
+    for (int j = 0; j < MHC_N; ++j) {
+        const float pj = coef[j];
+        float o[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[e] = xv[e] * pj;
+#pragma unroll
+        for (int i = 0; i < MHC_N; ++i) {
+            const float c = coef[MHC_N + i * MHC_N + j];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) o[e] = fmaf(c, rv[i][e], o[e]);
+        }
+        out[j].x = mhc_pack(o[0], o[1]);
+        out[j].y = mhc_pack(o[2], o[3]);
+    }
+}
+
+// Sum of P values over the lanes of a subgroup with the xor tree M, M/2, ..., 1. While more than one
 // value is left, each step halves the values a lane holds (the lane with the mask bit set keeps the
-// upper half), so the shuffles total about P instead of 5 P. Every lane pair adds the same two
-// operands as a plain butterfly would, so the bits equal the plain tree. On return a[0] of lane l
-// is the total of value l / (32 / P).
+// upper half), so the shuffles total about P instead of P log2(2M). Every lane pair adds the same
+// two operands as a plain butterfly would, so the bits equal the plain tree. With M = 4 and P >= 8,
+// on return a[0 .. P/8) of subgroup lane k are the totals of values k P/8 + (0 .. P/8).
 template <int P, int M>
 struct MhcGroupSum {
     static __device__ __forceinline__ void run(float* a, uint32_t lane) {
@@ -255,96 +324,125 @@ __device__ __forceinline__ void mhc_depart(uint32_t* sync, uint32_t tile, uint32
     }
 }
 
-// Projection item: partials[t][split][0] = sum of x^2, [1 + j] = sum of x * fn[j] over the split's
-// chunks, for tokens [t_begin, t_end). FUSED: x is the post-mix of (x_in, residual) rounded to bf16.
-template <int J, int TT, bool VEC, bool FUSED>
+// The source quad (4 h at h0) of TT tokens and every stream; FUSED: the post-mix of (x_in,
+// residual), rounded to bf16 as mhc_post stores it. Tokens at or past t_end, and h0 >= H, read as 0.
+template <int TT, bool VEC, bool FUSED>
+__device__ __forceinline__ void mhc_source(const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
+                                           const float* __restrict__ post_in, const float* __restrict__ comb_in,
+                                           uint32_t H, const uint32_t t[TT], uint32_t t_end, uint32_t h0,
+                                           mhc_u32x2 src[TT][MHC_N]) {
+#pragma unroll
+    for (int tt = 0; tt < TT; ++tt) {
+        const uint64_t tk = t[tt];
+        if (tk < t_end && h0 < H) {
+#pragma unroll
+            for (int i = 0; i < MHC_N; ++i) src[tt][i] = mhc_load4<VEC>(residual + (tk * MHC_N + i) * H, h0, H);
+            if (FUSED) {
+                float coef[MHC_N + MHC_N * MHC_N];
+#pragma unroll
+                for (int i = 0; i < MHC_N; ++i) coef[i] = post_in[tk * MHC_N + i];
+#pragma unroll
+                for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = comb_in[tk * MHC_N * MHC_N + i];
+                mhc_u32x2 ru[MHC_N];
+#pragma unroll
+                for (int i = 0; i < MHC_N; ++i) ru[i] = src[tt][i];
+                mhc_post_mix4(mhc_load4<VEC>(x_in + tk * H, h0, H), ru, coef, src[tt]);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < MHC_N; ++i) src[tt][i] = mhc_u32x2{0u, 0u};
+        }
+    }
+}
+
+// One round of a lane: accumulate the quad `src` (every stream) of TT tokens into acc.
+template <int J, int TT, int P, bool VEC>
+__device__ __forceinline__ void mhc_accumulate(const float* __restrict__ fn, uint32_t H, uint32_t h0,
+                                               const mhc_u32x2 src[TT][MHC_N], float acc[TT][P]) {
+    if (h0 >= H) return;
+    const uint32_t D = MHC_N * H;
+    const uint32_t ne = min((uint32_t)MHC_QUAD, H - h0);
+#pragma unroll
+    for (int i = 0; i < MHC_N; ++i) {
+        float xv[TT][4];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) mhc_unpack4(src[tt][i], xv[tt]);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+            if (VEC || (uint32_t)e < ne)
+#pragma unroll
+                for (int tt = 0; tt < TT; ++tt) acc[tt][0] = fmaf(xv[tt][e], xv[tt][e], acc[tt][0]);
+#pragma unroll
+        for (int j = 0; j < J; ++j) {
+            float f[4];
+            mhc_load_f4<VEC>(fn + (uint64_t)j * D + (uint64_t)i * H + h0, ne, f);
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                if (VEC || (uint32_t)e < ne)
+#pragma unroll
+                    for (int tt = 0; tt < TT; ++tt) acc[tt][1 + j] = fmaf(xv[tt][e], f[e], acc[tt][1 + j]);
+        }
+    }
+}
+
+// Projection item: partials[t][split][0] = sum of x^2, [1 + j] = sum of x * fn[j] over the split,
+// for tokens [t_begin, t_end). SUB lanes (subgroup k) share a token; 32 / SUB token groups (g)
+// share a warp slot and so read the same weights at once. The lane's TT tokens are
+// tb + g TT + (0 .. TT); round r reads quad 64 split + k + SUB r; UNROLL rounds are in flight.
+template <int J, int SUB, int TT, int UNROLL, bool VEC, bool FUSED>
 __device__ void mhc_project(const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
                             const float* __restrict__ post_in, const float* __restrict__ comb_in,
                             const float* __restrict__ fn, float* __restrict__ partials, uint32_t H, uint32_t S,
                             uint32_t split, uint32_t t_begin, uint32_t t_end) {
     constexpr int V = J + 1;
     constexpr int P = MhcPow2<V>::value;
-    const uint32_t lane = threadIdx.x % MHC_GROUP, group = threadIdx.x / MHC_GROUP;
-    const uint32_t h0 = (split * MHC_GROUP + lane) * MHC_CHUNK;
-    const bool has = h0 < H;
-    const uint32_t ne = has ? min((uint32_t)MHC_CHUNK, H - h0) : 0u;
-    const uint32_t D = MHC_N * H;
-    for (uint32_t tb = t_begin + group * TT; tb < t_end; tb += MHC_GROUPS * TT) {
+    constexpr int ROUNDS = MHC_SPLIT_QUADS / SUB;
+    constexpr int GROUPS = 32 / SUB;
+    static_assert(ROUNDS % UNROLL == 0, "rounds come in groups of UNROLL");
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const uint32_t k = lane % SUB, g = lane / SUB;
+    constexpr uint32_t step = (MHC_THREADS / 32) * GROUPS * TT;
+    for (uint32_t tb = t_begin + warp * GROUPS * TT; tb < t_end; tb += step) {
+        uint32_t t[TT];
+#pragma unroll
+        for (int tt = 0; tt < TT; ++tt) t[tt] = tb + g * TT + tt;
         float acc[TT][P];
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt)
 #pragma unroll
             for (int v = 0; v < P; ++v) acc[tt][v] = 0.0f;
-        if (has) {
-            // FUSED: the post-mixed source of every stream, computed up front (it needs all of them).
-            mhc_u32x4 mixed[FUSED ? TT : 1][MHC_N];
-            if (FUSED) {
-#pragma unroll
-                for (int tt = 0; tt < TT; ++tt) {
-                    const uint64_t t = tb + tt;
-                    if (t < t_end) {
-                        mhc_u32x4 ru[MHC_N];
-                        float coef[MHC_N + MHC_N * MHC_N];
-#pragma unroll
-                        for (int i = 0; i < MHC_N; ++i) ru[i] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
-#pragma unroll
-                        for (int i = 0; i < MHC_N; ++i) coef[i] = post_in[t * MHC_N + i];
-#pragma unroll
-                        for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = comb_in[t * MHC_N * MHC_N + i];
-                        mhc_post_mix(mhc_load8<VEC>(x_in + t * H, h0, H), ru, coef, mixed[tt]);
-                    } else {
-#pragma unroll
-                        for (int i = 0; i < MHC_N; ++i) mixed[tt][i] = mhc_u32x4{0u, 0u, 0u, 0u};
-                    }
-                }
-            }
-            // Not unrolled: unrolling the stream loop lets the scheduler hoist loads past 255 registers.
+        const uint32_t q0 = split * MHC_SPLIT_QUADS + k;
 #pragma unroll 1
-            for (int i = 0; i < MHC_N; ++i) {
-                mhc_u32x4 src[TT];
+        for (uint32_t r0 = 0; r0 < (uint32_t)ROUNDS; r0 += UNROLL) {
+            mhc_u32x2 src[UNROLL][TT][MHC_N];
 #pragma unroll
-                for (int tt = 0; tt < TT; ++tt) {
-                    const uint64_t t = tb + tt;
-                    if (FUSED)
-                        src[tt] = mixed[tt][i];
-                    else if (t < t_end)
-                        src[tt] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
-                    else
-                        src[tt] = mhc_u32x4{0u, 0u, 0u, 0u};
-                }
-                float xv[TT][8];
+            for (int u = 0; u < UNROLL; ++u)
+                mhc_source<TT, VEC, FUSED>(residual, x_in, post_in, comb_in, H, t, t_end,
+                                           (q0 + SUB * (r0 + u)) * MHC_QUAD, src[u]);
 #pragma unroll
-                for (int tt = 0; tt < TT; ++tt) mhc_unpack(src[tt], xv[tt]);
-#pragma unroll
-                for (int e = 0; e < 8; ++e)
-                    if (VEC || (uint32_t)e < ne)
-#pragma unroll
-                        for (int tt = 0; tt < TT; ++tt) acc[tt][0] = fmaf(xv[tt][e], xv[tt][e], acc[tt][0]);
-#pragma unroll
-                for (int j = 0; j < J; ++j) {
-                    float f[8];
-                    mhc_load_f8<VEC>(fn + (uint64_t)j * D + (uint64_t)i * H + h0, ne, f);
-#pragma unroll
-                    for (int e = 0; e < 8; ++e)
-                        if (VEC || (uint32_t)e < ne)
-#pragma unroll
-                            for (int tt = 0; tt < TT; ++tt) acc[tt][1 + j] = fmaf(xv[tt][e], f[e], acc[tt][1 + j]);
-                }
-            }
+            for (int u = 0; u < UNROLL; ++u)
+                mhc_accumulate<J, TT, P, VEC>(fn, H, (q0 + SUB * (r0 + u)) * MHC_QUAD, src[u], acc);
         }
-        constexpr uint32_t stride = MHC_GROUP / P;
-        const uint32_t v = lane / stride;
+        // After the subgroup sum, lane k holds P / SUB values (P >= SUB) starting at k P / SUB, or
+        // (P < SUB) value k / (SUB / P), held alike by SUB / P lanes of which the first writes.
+        constexpr int PL = P >= SUB ? P / SUB : 1;
+        constexpr uint32_t stride = P >= SUB ? 1u : (uint32_t)(SUB / P);
 #pragma unroll
         for (int tt = 0; tt < TT; ++tt) {
-            MhcGroupSum<P, 16>::run(acc[tt], lane);
-            const uint32_t t = tb + tt;
-            if (lane % stride == 0 && v < (uint32_t)V && t < t_end)
-                partials[((uint64_t)t * S + split) * V + v] = acc[tt][0];
+            MhcGroupSum<P, SUB / 2>::run(acc[tt], k);
+            if (t[tt] < t_end && k % stride == 0) {
+#pragma unroll
+                for (int q = 0; q < PL; ++q) {
+                    const uint32_t v = (k / stride) * PL + q;
+                    if (v < (uint32_t)V) partials[((uint64_t)t[tt] * S + split) * V + v] = acc[tt][q];
+                }
+            }
         }
     }
 }
 
-// Split sums of tokens [t0, t0 + count) into s_sum[u][v] (summed in split order).
+// Split sums of tokens [t0, t0 + count) into s_sum[u][v], in split order. The partials were written
+// by other blocks during this launch: volatile loads (never a stale L1 line), 8 in flight at once.
 template <int V>
 __device__ __forceinline__ void mhc_split_sums(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
                                                float (*s_sum)[32]) {
@@ -352,7 +450,14 @@ __device__ __forceinline__ void mhc_split_sums(const float* partials, uint32_t S
         const uint32_t u = idx / V, v = idx % V;
         const volatile float* p = partials + (uint64_t)(t0 + u) * S * V + v;
         float a = p[0];
-        for (uint32_t s = 1; s < S; ++s) a = a + p[(uint64_t)s * V];
+        for (uint32_t s0 = 1; s0 < S; s0 += 8) {
+            float b[8];
+#pragma unroll
+            for (int q = 0; q < 8; ++q) b[q] = (s0 + q < S) ? p[(uint64_t)(s0 + q) * V] : 0.0f;
+#pragma unroll
+            for (int q = 0; q < 8; ++q)
+                if (s0 + q < S) a = a + b[q];
+        }
         s_sum[u][v] = a;
     }
     __syncthreads();
@@ -379,21 +484,22 @@ __device__ void mhc_head_finish(const hf_bf16* __restrict__ residual, const floa
     }
     __syncthreads();
     const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK;
-    for (uint32_t u = 0; u < count; ++u) {
+    for (uint32_t idx = threadIdx.x; idx < count * HC; idx += MHC_THREADS) {
+        const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
         const uint64_t t = t0 + u;
-        for (uint32_t c = threadIdx.x; c < HC; c += MHC_THREADS) {
-            const uint32_t h0 = c * MHC_CHUNK;
-            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        mhc_u32x4 src[MHC_N];
 #pragma unroll
-            for (int i = 0; i < MHC_N; ++i) {
-                float v[8];
-                mhc_unpack(mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H), v);
-                const float g = s_gate[u][i];
+        for (int i = 0; i < MHC_N; ++i) src[i] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = fmaf(g, v[e], acc[e]);
-            }
-            mhc_store8<VEC>(out + t * H, h0, H, mhc_repack(acc));
+        for (int i = 0; i < MHC_N; ++i) {
+            float v[8];
+            mhc_unpack(src[i], v);
+            const float g = s_gate[u][i];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = fmaf(g, v[e], acc[e]);
         }
+        mhc_store8<VEC>(out + t * H, h0, H, mhc_repack(acc));
     }
 }
 
@@ -408,7 +514,7 @@ __device__ void mhc_head_body(const hf_bf16* residual, const float* fn, const fl
     const uint32_t t_begin = it.tile * tile_tokens;
     const uint32_t t_end = min(T, t_begin + tile_tokens);
     if (it.project) {
-        mhc_project<MHC_N, MHC_TT_HEAD, VEC, false>(residual, nullptr, nullptr, nullptr, fn, partials, H, S, it.index, t_begin,
+        mhc_project<MHC_N, MHC_SUB_HEAD, MHC_TT_HEAD, MHC_UNROLL_HEAD, VEC, false>(residual, nullptr, nullptr, nullptr, fn, partials, H, S, it.index, t_begin,
                                           t_end);
         mhc_arrive(sync, it.tile);
         return;
@@ -421,7 +527,7 @@ __device__ void mhc_head_body(const hf_bf16* residual, const float* fn, const fl
 }
 
 // out [T, H] = sum_i g_i residual[t, i, :], g = sigmoid(rms(x) (x . fn^T) scale + base) + hc_eps.
-HF_KERNEL void __launch_bounds__(MHC_THREADS) mhc_hc_head_n4(
+HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
     const hf_bf16* residual, const float* fn, const float* scale, const float* base, hf_bf16* out, float* partials,
     uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens) {
     const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
@@ -484,42 +590,41 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
             }
         }
     }
+    __shared__ float s_coef[MHC_FINISH_MAX][MHC_N + MHC_N * MHC_N];
+    if (FUSED) {
+        for (uint32_t idx = threadIdx.x; idx < count * (MHC_N + MHC_N * MHC_N); idx += MHC_THREADS) {
+            const uint32_t u = idx / (MHC_N + MHC_N * MHC_N), q = idx % (MHC_N + MHC_N * MHC_N);
+            const uint64_t t = t0 + u;
+            s_coef[u][q] = q < MHC_N ? a.post_in[t * MHC_N + q] : a.comb_in[t * MHC_N * MHC_N + (q - MHC_N)];
+        }
+    }
     __syncthreads();
     const uint32_t H = a.H, HC = (H + MHC_CHUNK - 1) / MHC_CHUNK;
-    for (uint32_t u = 0; u < count; ++u) {
+    for (uint32_t idx = threadIdx.x; idx < count * HC; idx += MHC_THREADS) {
+        const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
         const uint64_t t = t0 + u;
-        float coef[MHC_N + MHC_N * MHC_N];
+        mhc_u32x4 src[MHC_N];
+#pragma unroll
+        for (int i = 0; i < MHC_N; ++i) src[i] = mhc_load8<VEC>(a.residual + (t * MHC_N + i) * H, h0, H);
         if (FUSED) {
-#pragma unroll
-            for (int i = 0; i < MHC_N; ++i) coef[i] = a.post_in[t * MHC_N + i];
-#pragma unroll
-            for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = a.comb_in[t * MHC_N * MHC_N + i];
-        }
-        for (uint32_t c = threadIdx.x; c < HC; c += MHC_THREADS) {
-            const uint32_t h0 = c * MHC_CHUNK;
-            mhc_u32x4 src[MHC_N];
-#pragma unroll
-            for (int i = 0; i < MHC_N; ++i) src[i] = mhc_load8<VEC>(a.residual + (t * MHC_N + i) * H, h0, H);
-            if (FUSED) {
-                mhc_u32x4 mixed[MHC_N];
-                mhc_post_mix(mhc_load8<VEC>(a.x_in + t * H, h0, H), src, coef, mixed);
-#pragma unroll
-                for (int i = 0; i < MHC_N; ++i) {
-                    src[i] = mixed[i];
-                    mhc_store8<VEC>(a.residual_out + (t * MHC_N + i) * H, h0, H, mixed[i]);
-                }
-            }
-            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            mhc_u32x4 mixed[MHC_N];
+            mhc_post_mix(mhc_load8<VEC>(a.x_in + t * H, h0, H), src, s_coef[u], mixed);
 #pragma unroll
             for (int i = 0; i < MHC_N; ++i) {
-                float v[8];
-                mhc_unpack(src[i], v);
-                const float p = s_pre[u][i];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, v[e], acc[e]);
+                src[i] = mixed[i];
+                mhc_store8<VEC>(a.residual_out + (t * MHC_N + i) * H, h0, H, mixed[i]);
             }
-            mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
         }
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int i = 0; i < MHC_N; ++i) {
+            float v[8];
+            mhc_unpack(src[i], v);
+            const float p = s_pre[u][i];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, v[e], acc[e]);
+        }
+        mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
     }
 }
 
@@ -533,7 +638,7 @@ __device__ void mhc_pre_body(const MhcPreArgs& a, uint32_t ticket) {
     const uint32_t t_begin = it.tile * a.tile_tokens;
     const uint32_t t_end = min(a.T, t_begin + a.tile_tokens);
     if (it.project) {
-        mhc_project<J, FUSED ? MHC_TT_FUSED : MHC_TT_PRE, VEC, FUSED>(a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S, it.index,
+        mhc_project<J, MHC_SUB_PRE, FUSED ? MHC_TT_FUSED : MHC_TT_PRE, FUSED ? MHC_UNROLL_FUSED : MHC_UNROLL_PRE, VEC, FUSED>(a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S, it.index,
                                       t_begin, t_end);
         mhc_arrive(a.sync, it.tile);
         return;
@@ -561,7 +666,7 @@ __device__ __forceinline__ void mhc_pre_entry(const MhcPreArgs& a) {
 }
 
 // (post [T, n], comb [T, n, n], layer_input [T, H]) = mhc_pre(residual [T, n, H]).
-HF_KERNEL void __launch_bounds__(MHC_THREADS, 1) mhc_pre_n4(
+HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_PRE) mhc_pre_n4(
     const hf_bf16* residual, const float* fn, const float* scale, const float* base, float* post_out, float* comb_out,
     hf_bf16* layer_input, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float pre_eps,
     float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens) {
@@ -576,7 +681,7 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, 1) mhc_pre_n4(
 
 // residual_out = mhc_post(x, residual, post_in, comb_in); (post_out, comb_out, layer_input) =
 // mhc_pre(residual_out). residual_out may be residual itself (in place).
-HF_KERNEL void __launch_bounds__(MHC_THREADS, 1) mhc_fused_post_pre_n4(
+HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_FUSED) mhc_fused_post_pre_n4(
     const hf_bf16* x_in, const hf_bf16* residual, const float* post_in, const float* comb_in, const float* fn,
     const float* scale, const float* base, hf_bf16* residual_out, float* post_out, float* comb_out,
     hf_bf16* layer_input, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float pre_eps,

@@ -29,8 +29,9 @@
 //!   of §6, and the device to the same bounds against the reference (DESIGN.md 8).
 //!
 //! ## Batch invariance and capture
-//! A token's reduction structure depends on `H` only (`ceil(H / 256)` splits of 32 lanes × 8
-//! elements), never on `T`, the tile sizes or the grid, and no atomics touch data: a token's
+//! A token's reduction structure depends on `H` only (`ceil(H / 256)` splits of 64 quads of `h`,
+//! each split summed by a fixed lane tree), never on `T`, the tile sizes or the grid, and no
+//! atomics touch data: a token's
 //! outputs are the same bits whether it runs alone or among 16 K others. Launch shapes are a
 //! function of `T` (see [`MhcOps::launch_config`]), so a graph captured at a padded `T` replays the
 //! same launch. The split-reduction kernels claim work items from a ticket counter and a finish
@@ -39,12 +40,13 @@
 //!
 //! ## Kernel design (memory-bound; one launch per op)
 //! - `hc_head`, `mhc_pre`, `mhc_fused_post_pre`: blocks of 256 threads. A *projection item*
-//!   (tile of up to 128 tokens × one split of 256 `h`) reads each stream's 16-byte chunk per lane
-//!   and accumulates Σx² and the `n` (or `n(n+2)`) dot products for a register tile of tokens,
-//!   reusing every weight load across the tile; it writes per-split partials. A *finish item*
-//!   (1 to 16 tokens) sums the partials, computes the gates (and the Sinkhorn, 16 lanes per token),
-//!   and writes the weighted stream sum while the residual is still in L2. Grid:
-//!   `tiles · (splits + finish items per tile)`.
+//!   (tile of up to 128 tokens × one split of 256 `h`) accumulates Σx² and the `n` (or `n(n+2)`)
+//!   dot products per token and writes per-split partials. `hc_head` gives each token 32 lanes ×
+//!   2 quads per split (one round trip at T = 1, a register tile of 2 tokens); `mhc_pre` gives it
+//!   8 lanes × 8 quads, so the 4 tokens of a warp slot (× a register tile of 2) share every weight
+//!   load, one 128-byte line per instruction. A *finish item* (up to 16 tokens) sums the partials,
+//!   computes the gates (and the Sinkhorn, 16 lanes per token), and writes the weighted stream sum
+//!   while the residual is still in L2. Grid: `tiles · (splits + finish items per tile)`.
 //! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.
 //! - Rows that are not 16-byte aligned or `H % 8 != 0` take a scalar path with the same
 //!   arithmetic. Shared memory stays under 48 KB (no opt-in attribute needed).

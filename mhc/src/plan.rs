@@ -9,8 +9,8 @@ use crate::reference::splits;
 
 /// Threads per block of the split-reduction kernels (`MHC_THREADS`).
 pub(crate) const THREADS: u32 = 256;
-/// 32-lane groups per block.
-const GROUPS: usize = 8;
+/// Warps (32-lane slots) per block.
+const WARPS: usize = 8;
 /// Most tokens a finish item handles (`MHC_FINISH_MAX`: one 16-lane Sinkhorn group each).
 pub(crate) const FINISH_MAX: usize = 16;
 /// Most tokens per projection tile.
@@ -29,10 +29,12 @@ pub(crate) enum Reduce {
 }
 
 impl Reduce {
-    fn tokens_per_lane(self) -> usize {
+    /// Tokens one 32-lane slot covers per pass: token groups (32 / lanes per token) × register tile
+    /// (`MHC_SUB_*`, `MHC_TT_*` in `kernels.cu`).
+    fn tokens_per_slot(self) -> usize {
         match self {
-            Reduce::Head | Reduce::Pre => 4,
-            Reduce::Fused => 2,
+            Reduce::Head => 2,
+            Reduce::Pre | Reduce::Fused => 4 * 2,
         }
     }
 }
@@ -51,17 +53,17 @@ pub(crate) struct ReducePlan {
 }
 
 /// Plans a split-reduction launch for `tokens > 0`: enough projection items to give every
-/// multiprocessor about two (`units` of them), tiles of whole passes (8 groups × the register tile)
-/// up to 128 tokens, and finish items of about 16 K elements of `h` (1 to 16 tokens).
+/// multiprocessor about two (`units` of them), tiles of whole passes (8 warps × the tokens of a
+/// warp) up to 128 tokens, and finish items of 16 tokens (fewer if the tile is smaller).
 pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize) -> ReducePlan {
     let s = splits(hidden);
-    let pass = GROUPS * kind.tokens_per_lane();
+    let pass = WARPS * kind.tokens_per_slot();
     let tiles_wanted = (2 * units.max(1)).div_ceil(s).max(1);
     let mut tile = tokens.div_ceil(tiles_wanted).clamp(1, TILE_MAX);
     if tile > pass {
         tile = (tile.div_ceil(pass) * pass).min(TILE_MAX);
     }
-    let finish = (16_384 / hidden.max(1)).clamp(1, FINISH_MAX).min(tile);
+    let finish = FINISH_MAX.min(tile);
     let tiles = tokens.div_ceil(tile);
     let blocks = tiles * (s + tile.div_ceil(finish));
     ReducePlan {

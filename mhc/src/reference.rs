@@ -5,12 +5,14 @@
 //! the gates). The CPU backend runs exactly these functions in place of the kernels.
 //!
 //! Per token, with `x` the `[n, H]` residual row in f32:
-//! - **Projection.** `h` is cut into chunks of [`CHUNK`] (8); split `s` owns chunks
-//!   `[32 s, 32 s + 32)`, so there are [`splits`]`(H) = ceil(H / 256)` splits. "Lane" `l` of split
-//!   `s` accumulates, for stream `i = 0..n` and then element `e = 0..8` of chunk `32 s + l`,
-//!   `ss = fma(x, x, ss)` and `dot_j = fma(x, fn[j][i·H + h], dot_j)`, from 0. The 32 lanes are
-//!   summed with the xor tree (lane `l` + lane `l + m` for `m = 16, 8, 4, 2, 1`), and the splits
-//!   in order. All of this depends on `H` only, never on `T`: the results are batch-invariant.
+//! - **Projection.** `h` is cut into quads of [`QUAD`] (4); split `s` owns quads
+//!   `[64 s, 64 s + 64)`, so there are [`splits`]`(H) = ceil(H / 256)` splits. With `L` lanes per
+//!   split ([`HEAD_LANES`] = 32 for `hc_head`, [`PRE_LANES`] = 8 for `mhc_pre`), lane `k`
+//!   accumulates, for quad `64 s + k + L r` (`r = 0 .. 64 / L`), then stream `i = 0..n`, then
+//!   element `e = 0..4`, `ss = fma(x, x, ss)` and `dot_j = fma(x, fn[j][i·H + h], dot_j)`, from 0.
+//!   The `L` lanes are summed with the xor tree (lane `l` + lane `l + m` for `m = L/2, …, 2, 1`),
+//!   and the splits in order. All of this depends on `H` only, never on `T`: the results are
+//!   batch-invariant.
 //! - **Gates.** `r = 1 / sqrt(ss / D + rms_eps)` (correctly rounded, no `rsqrtf`), `mix_j = dot_j · r`,
 //!   `z = fma(mix_j, scale, base_j)`, `sigmoid(z) = 1 / (1 + exp(-z))`.
 //! - **Weighted sums.** `out[h] = fma(g_{n-1}, x_{n-1}[h], … fma(g_0, x_0[h], 0))`, rounded to bf16
@@ -24,12 +26,16 @@ use crate::error::{MhcError, Result};
 use crate::params::{HcHeadParams, MhcPreParams};
 use crate::HC_MULT;
 
-/// Elements of `h` per chunk (one 16-byte load of bf16 on the device).
-pub const CHUNK: usize = 8;
-/// Lanes summed by one xor tree; a split is this many chunks.
-pub const GROUP: usize = 32;
+/// Elements of `h` per quad, the projection's unit (an 8-byte bf16 and a 16-byte f32 load).
+pub const QUAD: usize = 4;
+/// Quads per split.
+pub const SPLIT_QUADS: usize = 64;
 /// `h` per split.
-pub const SPLIT_H: usize = CHUNK * GROUP;
+pub const SPLIT_H: usize = QUAD * SPLIT_QUADS;
+/// Lanes per split of `hc_head`'s projection (2 quads each).
+pub const HEAD_LANES: usize = 32;
+/// Lanes per split of `mhc_pre`'s projection (8 quads each).
+pub const PRE_LANES: usize = 8;
 /// Mixing logits of `mhc_pre` per token: `n (n + 2)` = 24.
 pub const PRE_ROWS: usize = HC_MULT * (HC_MULT + 2);
 
@@ -94,33 +100,37 @@ fn transpose(hc_fn: &[f32], rows: usize, d: usize) -> Vec<f32> {
 }
 
 /// The projection of one token: `out[0] = Σ x²`, `out[1 + j] = Σ x · fn[j]` for `j < V - 1`, in
-/// the kernels' order. `x` is the token's `[n, H]` row in f32, `fnt` the transposed weights
-/// `[n·H, V - 1]`. (Index loops over fixed-size arrays: this is also the CPU backend's kernel and
-/// runs in unoptimised test builds.)
+/// the kernels' order with `sub` lanes per split (see the module doc). `x` is the token's `[n, H]`
+/// row in f32, `fnt` the transposed weights `[n·H, V - 1]`. (Index loops over fixed-size arrays:
+/// this is also the CPU backend's kernel and runs in unoptimised test builds.)
 #[allow(clippy::needless_range_loop)] // index loops: faster than iterator chains unoptimised
-pub(crate) fn project<const V: usize>(x: &[f32], fnt: &[f32], hidden: usize, out: &mut [f32; V]) {
+pub(crate) fn project<const V: usize>(x: &[f32], fnt: &[f32], hidden: usize, sub: usize, out: &mut [f32; V]) {
     let rows = V - 1;
-    let chunks = hidden.div_ceil(CHUNK);
+    let quads = hidden.div_ceil(QUAD);
+    let rounds = SPLIT_QUADS / sub;
     for s in 0..splits(hidden) {
-        let mut lanes = [[0.0f32; V]; GROUP];
-        for (l, acc) in lanes.iter_mut().enumerate() {
-            let c = s * GROUP + l;
-            if c >= chunks {
-                break;
-            }
-            let (h0, h1) = (c * CHUNK, ((c + 1) * CHUNK).min(hidden));
-            for i in 0..HC_MULT {
-                for k in i * hidden + h0..i * hidden + h1 {
-                    let xv = x[k];
-                    let w = &fnt[k * rows..(k + 1) * rows];
-                    acc[0] = xv.mul_add(xv, acc[0]);
-                    for j in 0..rows {
-                        acc[1 + j] = xv.mul_add(w[j], acc[1 + j]);
+        let mut lanes = [[0.0f32; V]; SPLIT_QUADS];
+        for k in 0..sub {
+            let acc = &mut lanes[k];
+            for r in 0..rounds {
+                let q = s * SPLIT_QUADS + k + sub * r;
+                if q >= quads {
+                    break;
+                }
+                let (h0, h1) = (q * QUAD, ((q + 1) * QUAD).min(hidden));
+                for i in 0..HC_MULT {
+                    for e in i * hidden + h0..i * hidden + h1 {
+                        let xv = x[e];
+                        let w = &fnt[e * rows..(e + 1) * rows];
+                        acc[0] = xv.mul_add(xv, acc[0]);
+                        for j in 0..rows {
+                            acc[1 + j] = xv.mul_add(w[j], acc[1 + j]);
+                        }
                     }
                 }
             }
         }
-        let mut m = GROUP / 2;
+        let mut m = sub / 2;
         while m >= 1 {
             for l in 0..m {
                 for k in 0..V {
@@ -239,7 +249,7 @@ pub fn hc_head_into(
     out.par_chunks_mut(hidden).zip(residual.par_chunks(d)).for_each(|(o, r)| {
         let x = to_f32(r);
         let mut sums = [0.0f32; HC_MULT + 1];
-        project(&x, &fnt, hidden, &mut sums);
+        project(&x, &fnt, hidden, HEAD_LANES, &mut sums);
         let rf = rms_factor(sums[0], d, params.rms_eps);
         let mut gates = [0.0f32; HC_MULT];
         for (i, g) in gates.iter_mut().enumerate() {
@@ -295,7 +305,7 @@ fn pre_rows(
         .zip(x.par_chunks(d))
         .for_each(|(((li, post), comb), x)| {
             let mut sums = [0.0f32; PRE_ROWS + 1];
-            project(x, &fnt, hidden, &mut sums);
+            project(x, &fnt, hidden, PRE_LANES, &mut sums);
             let rf = rms_factor(sums[0], d, params.rms_eps);
             let mix = |j: usize, s: f32| (sums[1 + j] * rf).mul_add(s, base[j]);
             let mut pre = [0.0f32; HC_MULT];
