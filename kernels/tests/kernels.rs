@@ -239,12 +239,5 @@ fn buggy_consumer() -> holdfast_hal::KernelSource {
 #[cfg(feature = "cuda")]
 #[test]
 fn kernels_compile_for_sm_90_with_nvrtc() {
-    use holdfast_hal::cuda;
-    if let Some(reason) = cuda::nvrtc_unavailable_reason() {
-        assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here: {reason}");
-        eprintln!("skipped: NVRTC is not available ({reason})");
-        return;
-    }
-    let (cubin, _) = cuda::compile(holdfast_kernels::source(), "sm_90", 32).expect("compiles");
-    assert!(!cubin.is_empty());
+    holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_kernels::source());
 }
