@@ -5,6 +5,8 @@
 //! the capture rules and every bookkeeping (retention, stats, sanitizer generations) lives in the
 //! backend-neutral front end, so it is written once and behaves the same on every backend.
 
+use std::sync::Arc;
+
 use enum_dispatch::enum_dispatch;
 
 use crate::cpu::{CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuPinned, CpuStream};
@@ -113,7 +115,7 @@ pub(crate) enum PinnedImpl {
 #[enum_dispatch]
 pub(crate) trait StreamOps {
     /// Launches with `args` already checked against `entry.params` by the front end.
-    fn launch(&self, kernel: &KernelImpl, entry: &KernelEntry, cfg: &LaunchConfig, args: &[Arg]) -> Result<()>;
+    fn launch(&self, kernel: &KernelImpl, entry: &Arc<KernelEntry>, cfg: &LaunchConfig, args: &[Arg]) -> Result<()>;
     fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()>;
     fn copy_d2d(&self, src: u64, dst: u64, bytes: usize) -> Result<()>;
     /// Copy from pageable host memory (never called during capture).

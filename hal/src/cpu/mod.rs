@@ -265,14 +265,14 @@ impl CpuStream {
 }
 
 impl StreamOps for CpuStream {
-    fn launch(&self, kernel: &KernelImpl, entry: &KernelEntry, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
+    fn launch(&self, kernel: &KernelImpl, entry: &Arc<KernelEntry>, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Cpu(k) => k.f,
             _ => return Err(wrong_backend("kernel")),
         };
         let args = args.iter().map(LaunchArg::of).collect();
-        self.submit(CpuOp::Launch { f, entry: Arc::new(entry.clone()), cfg: *cfg, args })
+        self.submit(CpuOp::Launch { f, entry: entry.clone(), cfg: *cfg, args })
     }
 
     fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()> {

@@ -284,7 +284,7 @@ impl CudaStream {
 }
 
 impl StreamOps for CudaStream {
-    fn launch(&self, kernel: &KernelImpl, _entry: &KernelEntry, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
+    fn launch(&self, kernel: &KernelImpl, _entry: &Arc<KernelEntry>, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Cuda(k) => k.f.0,

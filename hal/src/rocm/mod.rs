@@ -307,7 +307,7 @@ impl RocmStream {
 }
 
 impl StreamOps for RocmStream {
-    fn launch(&self, kernel: &KernelImpl, _entry: &KernelEntry, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
+    fn launch(&self, kernel: &KernelImpl, _entry: &Arc<KernelEntry>, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Rocm(k) => k.f.0,
