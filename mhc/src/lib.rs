@@ -8,7 +8,7 @@
 //! views, validated first ([`MhcError`]), and a no-op for `T = 0`.
 //!
 //! ## Who defines the numbers
-//! [`reference`] is the definition (DESIGN.md 3.3): plain Rust over slices that the CPU backend
+//! [`reference`](mod@reference) is the definition (DESIGN.md 3.3): plain Rust over slices that the CPU backend
 //! runs in place of the kernels, and that the device kernels (`src/kernels.cu`, one source for
 //! CUDA and HIP) follow operation for operation: the same partition of each token's `n·H` row,
 //! the same per-lane fma order, the same xor-tree lane sums and split order, explicit fmas where
