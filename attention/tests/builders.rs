@@ -277,32 +277,7 @@ fn views_depend_only_on_the_padded_row_count(dev: &Device) {
     }
 }
 
-macro_rules! device_suite {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(
-                #[test]
-                fn $name() {
-                    super::$name(&holdfast_hal::Device::cpu().expect("cpu"));
-                }
-            )*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(
-                #[test]
-                fn $name() {
-                    match holdfast_hal::Device::open("cuda:0") {
-                        Ok(dev) => super::$name(&dev),
-                        Err(e) => eprintln!("skipped: cuda:0 is not usable here ({e})"),
-                    }
-                }
-            )*
-        }
-    };
-}
-
-device_suite!(
+holdfast_hal::device_suite!(
     builders_match_the_reference_on_random_batches,
     uniform_padded_decode_rows_are_all_decode_rows_of_length_zero,
     bad_inputs_are_errors_before_any_kernel,

@@ -198,32 +198,7 @@ fn a_builder_with_a_fresh_ragged_buffer_is_rejected_at_capture(dev: &Device) {
     s.end_capture().expect("end");
 }
 
-macro_rules! device_suite {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(
-                #[test]
-                fn $name() {
-                    super::$name(&holdfast_hal::Device::cpu().expect("cpu"));
-                }
-            )*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(
-                #[test]
-                fn $name() {
-                    match holdfast_hal::Device::open("cuda:0") {
-                        Ok(dev) => super::$name(&dev),
-                        Err(e) => eprintln!("skipped: cuda:0 is not usable here ({e})"),
-                    }
-                }
-            )*
-        }
-    };
-}
-
-device_suite!(
+holdfast_hal::device_suite!(
     decode_step_replays_equal_eager_over_fresh_batches,
     a_builder_with_a_fresh_ragged_buffer_is_rejected_at_capture
 );

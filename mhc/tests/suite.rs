@@ -754,33 +754,7 @@ fn misuse_is_a_precise_error_and_launches_nothing(dev: &Device) {
     assert!(fx.read(&head.out.view()).iter().all(|v| v.to_bits() == 0xFFFF));
 }
 
-macro_rules! device_suite {
-    ($($name:ident),* $(,)?) => {
-        mod cpu {
-            $(
-                #[test]
-                fn $name() {
-                    let dev = holdfast_hal::Device::cpu().expect("the cpu backend always opens");
-                    super::$name(&dev);
-                }
-            )*
-        }
-        #[cfg(feature = "cuda")]
-        mod cuda {
-            $(
-                #[test]
-                fn $name() {
-                    match holdfast_hal::Device::open("cuda:0") {
-                        Ok(dev) => super::$name(&dev),
-                        Err(e) => eprintln!("skipped: cuda:0 is not usable here ({e})"),
-                    }
-                }
-            )*
-        }
-    };
-}
-
-device_suite!(
+holdfast_hal::device_suite!(
     hc_head_matches_its_reference_and_the_f64_spec,
     mhc_pre_matches_its_reference_and_the_f64_spec,
     mhc_post_matches_its_reference_and_the_f64_spec,
