@@ -1,0 +1,1 @@
+//! Continuous-batching scheduler with chunked prefill.
