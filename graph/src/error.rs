@@ -305,6 +305,20 @@ pub enum GraphError {
         /// What differs.
         detail: String,
     },
+
+    /// An error of the forward itself (a layer above this crate: a kernel launcher's shape check,
+    /// a metadata builder's validation), carried through the runner. `op` says where, `message`
+    /// is the full error text; the HAL error at its root, if any, stays reachable through
+    /// [`GraphError::hal`].
+    #[error("{op}: {message}")]
+    Forward {
+        /// Where in the forward it failed (layer and op).
+        op: String,
+        /// The error's message, with its sources.
+        message: String,
+        /// The HAL error at the root, when there is one.
+        hal: Option<SharedHalError>,
+    },
 }
 
 impl From<HalError> for GraphError {
@@ -318,6 +332,7 @@ impl GraphError {
     pub fn hal(&self) -> Option<&HalError> {
         match self {
             GraphError::Hal(e) => Some(e.get()),
+            GraphError::Forward { hal: Some(e), .. } => Some(e.get()),
             GraphError::CaptureFailed { source, .. } => source.hal(),
             _ => None,
         }
