@@ -8,9 +8,17 @@
 //! Launch shapes depend only on the lengths of the views passed in, never on their contents, so a
 //! launch over the padded prefix of a persistent buffer is capturable and replays correctly with
 //! any data. Nothing here synchronises with the host.
+//!
+//! The dense ops a decoder is made of (matmul, RMSNorm, RoPE, SwiGLU, embedding, argmax, row
+//! repeat) are a second module, [`DenseKernels`] over [`dense_source`]: batch-invariant, with a
+//! fixed reduction order per output that the CPU references follow (see [`dense`]).
 
+pub mod dense;
+mod dense_source;
 mod source;
 
+pub use dense::{DenseKernels, Gemm};
+pub use dense_source::{dense_source, ARGMAX_THREADS, MATMUL_BM, MATMUL_BN, MATMUL_THREADS, NORM_THREADS};
 pub use source::{source, SCAN_THREADS};
 
 use holdfast_hal::{Device, HalError, Kernel, LaunchConfig, Stream, View};

@@ -1,0 +1,247 @@
+// holdfast dense ops: tiled bf16 matmul (bf16 or f32 out), RMSNorm, RoPE, SwiGLU, embedding
+// lookup, argmax, row repeat. CUDA C that is also valid HIP; only the portability header's
+// primitives are used. Every reduction has one fixed order, independent of how many rows share a
+// launch, so results are batch-invariant; the CPU references in dense_source.rs follow the same
+// orders (matmul, rms_norm, argmax exactly; rope and swiglu use libm and match within ulps).
+
+struct alignas(16) hf_f4 { float v[4]; };
+struct alignas(16) hf_u4 { uint32_t v[4]; };
+
+__device__ __forceinline__ void hf_store_f32(hf_bf16* p, float v) { *p = hf_f32_to_bf16(v); }
+__device__ __forceinline__ void hf_store_f32(float* p, float v) { *p = v; }
+
+// ---- matmul: y[m, g, c] = sum_k x[m, g, k] * w[g, c, k] ------------------------------------
+// Block tile HF_MM_BM rows x HF_MM_BN columns, k in steps of HF_MM_BK; 256 threads, each owning a
+// 4 x 4 register tile (rows 4 ty + i, columns 4 tx + j). Tiles of x and w are converted to f32
+// into shared memory, k-major, so the inner loop reads one 16-byte vector of each per k.
+// Summation order of every output: acc = 0, then acc = fmaf(x[k], w[k], acc) for k = 0, 1, ...,
+// K - 1, one chain, whatever the tile position, T, N or the grid. Partial k tiles run only their
+// valid k (no padded terms).
+#define HF_MM_BM 32
+#define HF_MM_BN 128
+#define HF_MM_BK 32
+#define HF_MM_THREADS 256
+
+template <typename Out>
+__device__ __forceinline__ void hf_matmul_body(const hf_bf16* __restrict__ x, const hf_bf16* __restrict__ w,
+                                               Out* __restrict__ y, uint32_t t, uint32_t n, uint32_t k,
+                                               uint32_t groups) {
+    __shared__ alignas(16) float xs[HF_MM_BK][HF_MM_BM + 4];
+    __shared__ alignas(16) float ws[HF_MM_BK][HF_MM_BN + 4];
+    const uint32_t tid = threadIdx.x;
+    const uint32_t tx = tid % 32, ty = tid / 32;
+    const uint32_t n0 = blockIdx.x * HF_MM_BN, m0 = blockIdx.y * HF_MM_BM, g = blockIdx.z;
+    const uint64_t x_stride = (uint64_t)groups * k;  // elements between tokens of x
+    const hf_bf16* wg = w + (uint64_t)g * n * k;
+    // Loader roles: x rows tid % 32 (k quarter-chunk tid / 32 of 4), w rows tid % 128 (k half tid / 128 of 16).
+    const uint32_t xr = tid % HF_MM_BM, xk = (tid / HF_MM_BM) * 4;
+    const uint32_t wr = tid % HF_MM_BN, wk = (tid / HF_MM_BN) * 16;
+    const bool x_ok = m0 + xr < t, w_ok = n0 + wr < n;
+    const hf_bf16* xp = x + (uint64_t)(m0 + xr) * x_stride + (uint64_t)g * k;
+    const hf_bf16* wp = wg + (uint64_t)(n0 + wr) * k;
+
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = 0.0f;
+
+    for (uint32_t k0 = 0; k0 < k; k0 += HF_MM_BK) {
+        const uint32_t kn = k - k0 < HF_MM_BK ? k - k0 : HF_MM_BK;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const uint32_t kk = xk + e;
+            xs[kk][xr] = (x_ok && kk < kn) ? hf_bf16_to_f32(xp[k0 + kk]) : 0.0f;
+        }
+        const hf_bf16* wsrc = wp + k0 + wk;
+        if (w_ok && kn == HF_MM_BK && ((uint64_t)wsrc & 15u) == 0) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const hf_u4 q = reinterpret_cast<const hf_u4*>(wsrc)[h];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    ws[wk + 8 * h + 2 * e][wr] = __uint_as_float(q.v[e] << 16);
+                    ws[wk + 8 * h + 2 * e + 1][wr] = __uint_as_float(q.v[e] & 0xffff0000u);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 16; ++e) {
+                const uint32_t kk = wk + e;
+                ws[kk][wr] = (w_ok && kk < kn) ? hf_bf16_to_f32(wsrc[e]) : 0.0f;
+            }
+        }
+        __syncthreads();
+        if (kn == HF_MM_BK) {
+#pragma unroll
+            for (uint32_t kk = 0; kk < HF_MM_BK; ++kk) {
+                const hf_f4 a = *reinterpret_cast<const hf_f4*>(&xs[kk][4 * ty]);
+                const hf_f4 b = *reinterpret_cast<const hf_f4*>(&ws[kk][4 * tx]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a.v[i], b.v[j], acc[i][j]);
+            }
+        } else {
+            for (uint32_t kk = 0; kk < kn; ++kk) {
+                const hf_f4 a = *reinterpret_cast<const hf_f4*>(&xs[kk][4 * ty]);
+                const hf_f4 b = *reinterpret_cast<const hf_f4*>(&ws[kk][4 * tx]);
+#pragma unroll
+                for (int i = 0; i < 4; ++i)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a.v[i], b.v[j], acc[i][j]);
+            }
+        }
+        __syncthreads();
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t m = m0 + 4 * ty + i;
+        if (m >= t) continue;
+        Out* yr = y + ((uint64_t)m * groups + g) * n;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            const uint32_t c = n0 + 4 * tx + j;
+            if (c < n) hf_store_f32(yr + c, acc[i][j]);
+        }
+    }
+}
+
+HF_KERNEL void __launch_bounds__(HF_MM_THREADS)
+hf_matmul_bf16(const hf_bf16* x, const hf_bf16* w, hf_bf16* y, uint32_t t, uint32_t n, uint32_t k, uint32_t groups) {
+    hf_matmul_body<hf_bf16>(x, w, y, t, n, k, groups);
+}
+
+HF_KERNEL void __launch_bounds__(HF_MM_THREADS)
+hf_matmul_f32(const hf_bf16* x, const hf_bf16* w, float* y, uint32_t t, uint32_t n, uint32_t k, uint32_t groups) {
+    hf_matmul_body<float>(x, w, y, t, n, k, groups);
+}
+
+// ---- rms_norm: one block of HF_NORM_THREADS per row -------------------------------------------
+// Thread j sums x[c]^2 for c = j, j + 256, ... with fmaf from 0; the 256 partials are added in the
+// shared-memory tree (s = 128, 64, ..., 1: p[i] += p[i + s]). inv = 1 / sqrtf(p[0] / dim + eps)
+// (IEEE division and square root), y = bf16((x * inv) * w). x may equal y.
+#define HF_NORM_THREADS 256
+HF_KERNEL void __launch_bounds__(HF_NORM_THREADS)
+hf_rms_norm_bf16(const hf_bf16* x, const hf_bf16* w, hf_bf16* y, uint32_t rows, uint32_t dim, float eps) {
+    __shared__ float part[HF_NORM_THREADS];
+    for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const hf_bf16* xr = x + (uint64_t)r * dim;
+        hf_bf16* yr = y + (uint64_t)r * dim;
+        float ss = 0.0f;
+        for (uint32_t c = threadIdx.x; c < dim; c += HF_NORM_THREADS) {
+            const float v = hf_bf16_to_f32(xr[c]);
+            ss = fmaf(v, v, ss);
+        }
+        part[threadIdx.x] = ss;
+        __syncthreads();
+        for (uint32_t s = HF_NORM_THREADS / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+            __syncthreads();
+        }
+        const float inv = 1.0f / sqrtf(part[0] / (float)dim + eps);
+        __syncthreads();  // part is rewritten by the next row
+        for (uint32_t c = threadIdx.x; c < dim; c += HF_NORM_THREADS) {
+            const float v = hf_bf16_to_f32(xr[c]) * inv;
+            yr[c] = hf_f32_to_bf16(v * hf_bf16_to_f32(w[c]));
+        }
+    }
+}
+
+// ---- rope: one thread per (token, head, pair), grid-stride --------------------------------------
+// Pair p of the last rope_dim dims of each head: (a, b) at dims head_dim - rope_dim + 2p, + 1.
+// angle = sign * (pos * powf(theta, -(2p) / rope_dim)); (a, b) -> (a cos - b sin, a sin + b cos).
+HF_KERNEL void hf_rope_bf16(hf_bf16* x, const int32_t* pos, uint32_t tokens, uint32_t heads, uint32_t head_dim,
+                            uint32_t rope_dim, float theta, float sign) {
+    const uint32_t half = rope_dim / 2;
+    const uint64_t total = (uint64_t)tokens * heads * half;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
+        const uint32_t p = (uint32_t)(i % half);
+        const uint64_t th = i / half;
+        const int32_t ps = pos[th / heads];
+        if (ps < 0) continue;
+        const float inv_freq = powf(theta, -(float)(2u * p) / (float)rope_dim);
+        const float ang = sign * ((float)ps * inv_freq);
+        const float sn = sinf(ang), cs = cosf(ang);
+        hf_bf16* e = x + th * head_dim + (head_dim - rope_dim) + 2u * p;
+        const float a = hf_bf16_to_f32(e[0]), b = hf_bf16_to_f32(e[1]);
+        e[0] = hf_f32_to_bf16(a * cs - b * sn);
+        e[1] = hf_f32_to_bf16(a * sn + b * cs);
+    }
+}
+
+// ---- swiglu: out[t, j] = silu(min(gate, limit)) * clamp(up, -limit, limit), grid-stride ---------
+// The comparisons are written so that a NaN input stays NaN (fminf would drop it).
+HF_KERNEL void hf_swiglu_bf16(const hf_bf16* gate_up, hf_bf16* out, uint32_t tokens, uint32_t ffn, float limit) {
+    const uint64_t total = (uint64_t)tokens * ffn;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
+        const uint64_t t = i / ffn, j = i % ffn;
+        float g = hf_bf16_to_f32(gate_up[t * 2 * ffn + j]);
+        float u = hf_bf16_to_f32(gate_up[t * 2 * ffn + ffn + j]);
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+        const float silu = g / (1.0f + expf(-g));
+        out[i] = hf_f32_to_bf16(silu * u);
+    }
+}
+
+// ---- embed: out[t, c] = table[ids[t], c], zero for ids outside [0, vocab), grid-stride ----------
+HF_KERNEL void hf_embed_bf16(const hf_bf16* table, const int32_t* ids, hf_bf16* out, uint32_t tokens, uint32_t hidden,
+                             uint32_t vocab) {
+    const uint64_t total = (uint64_t)tokens * hidden;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
+        const uint64_t t = i / hidden, c = i % hidden;
+        const int32_t id = ids[t];
+        hf_bf16 v;
+        v.bits = 0;
+        if (id >= 0 && (uint32_t)id < vocab) v = table[(uint64_t)id * hidden + c];
+        out[i] = v;
+    }
+}
+
+// ---- argmax: one block of HF_ARGMAX_THREADS per row ---------------------------------------------
+// Candidates (value, index) with index HF_NONE for "no non-NaN value yet". better() is a total
+// order (larger value, then lower index; NaN never a candidate), so the result does not depend on
+// the scan or tree order. An all-NaN (or empty) row gives 0.
+#define HF_ARGMAX_THREADS 256
+#define HF_NONE 0xffffffffu
+__device__ __forceinline__ bool hf_better(float v, uint32_t i, float bv, uint32_t bi) {
+    if (i == HF_NONE) return false;
+    if (bi == HF_NONE) return true;
+    return v > bv || (v == bv && i < bi);
+}
+HF_KERNEL void __launch_bounds__(HF_ARGMAX_THREADS)
+hf_argmax_f32(const float* logits, int32_t* out, uint32_t rows, uint32_t cols) {
+    __shared__ float sv[HF_ARGMAX_THREADS];
+    __shared__ uint32_t si[HF_ARGMAX_THREADS];
+    for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* lr = logits + (uint64_t)r * cols;
+        float bv = 0.0f;
+        uint32_t bi = HF_NONE;
+        for (uint32_t c = threadIdx.x; c < cols; c += HF_ARGMAX_THREADS) {
+            const float v = lr[c];
+            if (v == v && hf_better(v, c, bv, bi)) { bv = v; bi = c; }
+        }
+        sv[threadIdx.x] = bv;
+        si[threadIdx.x] = bi;
+        __syncthreads();
+        for (uint32_t s = HF_ARGMAX_THREADS / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s && hf_better(sv[threadIdx.x + s], si[threadIdx.x + s], sv[threadIdx.x], si[threadIdx.x])) {
+                sv[threadIdx.x] = sv[threadIdx.x + s];
+                si[threadIdx.x] = si[threadIdx.x + s];
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) out[r] = si[0] == HF_NONE ? 0 : (int32_t)si[0];
+        __syncthreads();  // sv/si are rewritten by the next row
+    }
+}
+
+// ---- repeat_rows: y[t, j, c] = x[t, c] for j < copies, grid-stride -------------------------------
+HF_KERNEL void hf_repeat_rows_bf16(const hf_bf16* x, hf_bf16* y, uint32_t tokens, uint32_t copies, uint32_t hidden) {
+    const uint64_t total = (uint64_t)tokens * copies * hidden;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
+        const uint64_t c = i % hidden, t = i / ((uint64_t)copies * hidden);
+        y[i] = x[t * hidden + c];
+    }
+}

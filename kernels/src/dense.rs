@@ -1,0 +1,322 @@
+//! Dense ops of a decoder: matmul (bf16 or f32 out, optionally grouped), RMSNorm, RoPE, SwiGLU,
+//! embedding lookup, argmax, row repeat.
+//!
+//! ## Numerics and batch invariance
+//! bf16 storage, f32 math. Each output's reduction order is fixed by the op and never depends on
+//! the number of rows in the launch, on the grid, or on padding: no split-K, no atomics, one
+//! tiling for every T. So row r of a T = 37 launch equals the same row of a T = 1 launch bit for
+//! bit, and a captured launch replays exactly what ran eagerly.
+//!
+//! - **matmul**: `acc = 0; for k in 0..K { acc = fmaf(x[k], w[k], acc) }`, one chain per output,
+//!   then (for bf16 out) one round to nearest even. The CPU reference runs the same chain with
+//!   `f32::mul_add`, so CPU and GPU agree bit for bit.
+//! - **rms_norm**: 256 partial sums of squares (thread j takes columns j, j + 256, …, each an
+//!   `fmaf` chain), a fixed shared-memory tree, `inv = 1 / sqrt(ss / dim + eps)` with IEEE division
+//!   and square root, `y = (x · inv) · w`; the CPU reference does the same, bit for bit.
+//! - **argmax**, **embed**, **repeat_rows**: exact by construction.
+//! - **rope**, **swiglu**: elementwise, but they call `powf`/`sinf`/`cosf`/`expf`, whose last-ulp
+//!   results differ between libm and a GPU math library, so CPU and GPU agree within a few f32 ulps
+//!   (tests compare them with a tolerance). Batch invariance still holds exactly on each backend.
+//!
+//! ## The matmul kernel
+//! A shared-memory tiled SIMT kernel (no tensor cores): block tile 32 rows (tokens) × 128 columns
+//! (outputs), k in steps of 32; 256 threads, each with a 4 × 4 register tile. Tiles of x and w are
+//! loaded as bf16 (w with 16-byte vector loads when aligned and the k tile is full), converted to
+//! f32 and stored k-major, so the inner loop reads one 16-byte vector of each per k step and issues
+//! 16 FMAs. Grid `(⌈n / 128⌉, ⌈t / 32⌉, groups)`: it depends only on the sizes, so launches are
+//! capturable. Any t, n, k (partial tiles are guarded; a partial k tile runs only its valid k).
+
+use holdfast_hal::{bf16, Device, Kernel, LaunchConfig, Stream, View};
+
+use crate::dense_source::{dense_source, ARGMAX_THREADS, MATMUL_BM, MATMUL_BN, MATMUL_THREADS, NORM_THREADS};
+use crate::{shape, u32_of, Result};
+
+/// Shape of a (grouped) matmul: `x [t, groups, k] · w[g] [n, k]ᵀ → y [t, groups, n]`, with `w`
+/// stored `[groups, n, k]`; `groups = 1` is a plain `x · wᵀ`. Sizes are in elements.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Gemm {
+    /// Rows of x and y (tokens).
+    pub t: usize,
+    /// Output features per group (rows of each `w[g]`).
+    pub n: usize,
+    /// Input features per group (the reduction length).
+    pub k: usize,
+    /// Independent groups (at least 1).
+    pub groups: usize,
+}
+
+impl Gemm {
+    /// A plain `[t, k] · [n, k]ᵀ → [t, n]` matmul (`groups = 1`).
+    pub const fn new(t: usize, n: usize, k: usize) -> Self {
+        Gemm { t, n, k, groups: 1 }
+    }
+
+    /// Multiply-adds of the whole op (`t · groups · n · k`).
+    pub fn macs(&self) -> u64 {
+        (self.t as u64) * (self.groups as u64) * (self.n as u64) * (self.k as u64)
+    }
+
+    /// The launch configuration of this shape: grid `(⌈n / 128⌉, ⌈t / 32⌉, groups)`, 256 threads.
+    pub fn launch_config(&self) -> LaunchConfig {
+        let dim = |v: usize, tile: usize| v.div_ceil(tile).max(1).min(u32::MAX as usize) as u32;
+        LaunchConfig {
+            grid: (dim(self.n, MATMUL_BN), dim(self.t, MATMUL_BM), dim(self.groups, 1)),
+            block: (MATMUL_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// Checks `a · b · …` for overflow.
+fn product(op: &'static str, dims: &[usize]) -> Result<usize> {
+    dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| shape(op, format!("{dims:?} overflows")))
+}
+
+fn need(op: &'static str, what: &str, len: usize, dims: &[usize]) -> Result<()> {
+    let n = product(op, dims)?;
+    if len < n {
+        return Err(shape(op, format!("{what} holds {len} elements, {dims:?} needs {n}")));
+    }
+    Ok(())
+}
+
+/// Blocks for a grid-stride loop over `n` elements (at least one, at most 8192).
+fn stride_grid(n: usize, block: u32) -> LaunchConfig {
+    LaunchConfig::blocks(n.div_ceil(block as usize).clamp(1, 8192) as u32, block)
+}
+
+/// One block per row (at least one, at most 65535; kernels loop over the rest).
+fn row_grid(rows: usize, block: u32) -> LaunchConfig {
+    LaunchConfig::blocks(rows.clamp(1, 65535) as u32, block)
+}
+
+/// The compiled dense kernels of one device (one module; cheap to clone).
+#[derive(Clone, Debug)]
+pub struct DenseKernels {
+    matmul_bf16: Kernel,
+    matmul_f32: Kernel,
+    rms_norm: Kernel,
+    rope: Kernel,
+    swiglu: Kernel,
+    embed: Kernel,
+    argmax: Kernel,
+    repeat_rows: Kernel,
+}
+
+impl DenseKernels {
+    /// Compiles (or fetches from the device's cache) the dense kernel source for `dev`. Not
+    /// allowed during capture (compilation never is).
+    pub fn new(dev: &Device) -> Result<Self> {
+        let m = dev.compile(dense_source())?;
+        Ok(DenseKernels {
+            matmul_bf16: m.kernel("hf_matmul_bf16")?,
+            matmul_f32: m.kernel("hf_matmul_f32")?,
+            rms_norm: m.kernel("hf_rms_norm_bf16")?,
+            rope: m.kernel("hf_rope_bf16")?,
+            swiglu: m.kernel("hf_swiglu_bf16")?,
+            embed: m.kernel("hf_embed_bf16")?,
+            argmax: m.kernel("hf_argmax_f32")?,
+            repeat_rows: m.kernel("hf_repeat_rows_bf16")?,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(&self, op: &'static str, kernel: &Kernel, s: &Stream, x: &View<bf16>, w: &View<bf16>, y: holdfast_hal::Arg, y_len: usize, g: Gemm) -> Result<()> {
+        if g.groups == 0 {
+            return Err(shape(op, "groups must be at least 1".into()));
+        }
+        need(op, "x", x.len(), &[g.t, g.groups, g.k])?;
+        need(op, "w", w.len(), &[g.groups, g.n, g.k])?;
+        need(op, "y", y_len, &[g.t, g.groups, g.n])?;
+        if g.t.div_ceil(MATMUL_BM) > 65535 || g.groups > 65535 {
+            return Err(shape(op, format!("t = {} or groups = {} exceeds the grid (t ≤ {}, groups ≤ 65535)", g.t, g.groups, 65535 * MATMUL_BM)));
+        }
+        let args = [
+            x.into(),
+            w.into(),
+            y,
+            u32_of(op, "t", g.t)?.into(),
+            u32_of(op, "n", g.n)?.into(),
+            u32_of(op, "k", g.k)?.into(),
+            u32_of(op, "groups", g.groups)?.into(),
+        ];
+        s.launch(kernel, g.launch_config(), &args)?;
+        Ok(())
+    }
+
+    /// `y [t, groups, n] = x [t, groups, k] · w [groups, n, k]ᵀ` per group: bf16 inputs, f32
+    /// accumulation (one `fmaf` chain over k per output), bf16 output rounded to nearest even.
+    /// Views may be longer than the shape needs (prefixes of persistent buffers).
+    pub fn matmul(&self, s: &Stream, x: &View<bf16>, w: &View<bf16>, y: &View<bf16>, g: Gemm) -> Result<()> {
+        self.gemm("matmul", &self.matmul_bf16, s, x, w, y.into(), y.len(), g)
+    }
+
+    /// As [`DenseKernels::matmul`] with an f32 output `y [t, groups, n]` (logits, compressor
+    /// projections): the same accumulator, not rounded.
+    pub fn matmul_f32(&self, s: &Stream, x: &View<bf16>, w: &View<bf16>, y: &View<f32>, g: Gemm) -> Result<()> {
+        self.gemm("matmul_f32", &self.matmul_f32, s, x, w, y.into(), y.len(), g)
+    }
+
+    /// `y[r, :] = x[r, :] · rsqrt(mean(x[r, :]²) + eps) · w` for `x, y [rows, dim]`, `w [dim]`:
+    /// bf16 in and out, f32 math (the fixed order in the module docs). `x` and `y` may be the same
+    /// view (in place).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(
+        &self,
+        s: &Stream,
+        x: &View<bf16>,
+        w: &View<bf16>,
+        y: &View<bf16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+    ) -> Result<()> {
+        const OP: &str = "rms_norm";
+        need(OP, "x", x.len(), &[rows, dim])?;
+        need(OP, "w", w.len(), &[dim])?;
+        need(OP, "y", y.len(), &[rows, dim])?;
+        let args =
+            [x.into(), w.into(), y.into(), u32_of(OP, "rows", rows)?.into(), u32_of(OP, "dim", dim)?.into(), eps.into()];
+        s.launch(&self.rms_norm, row_grid(rows, NORM_THREADS as u32), &args)?;
+        Ok(())
+    }
+
+    /// In place on `x [tokens, heads, head_dim]` (bf16): rotates the last `rope_dim` dims of each
+    /// head as interleaved pairs `(2i, 2i + 1)` by the angle `positions[t] · theta^(−2i / rope_dim)`
+    /// radians (`inverse` rotates by the negated angle). Tokens with a negative position are left
+    /// untouched. `positions [tokens]`; `rope_dim` must be even and at most `head_dim`.
+    ///
+    /// f32 math: `inv_freq = powf(theta, −(2i) / rope_dim)`, `angle = ±(pos · inv_freq)`, then
+    /// `sinf`/`cosf`. The CPU reference evaluates the same formula with Rust's libm, so CPU and GPU
+    /// agree within a few f32 ulps, not bit for bit (compare with a tolerance).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(
+        &self,
+        s: &Stream,
+        x: &View<bf16>,
+        positions: &View<i32>,
+        tokens: usize,
+        heads: usize,
+        head_dim: usize,
+        rope_dim: usize,
+        theta: f32,
+        inverse: bool,
+    ) -> Result<()> {
+        const OP: &str = "rope";
+        if rope_dim % 2 != 0 || rope_dim > head_dim {
+            return Err(shape(OP, format!("rope_dim {rope_dim} must be even and at most head_dim {head_dim}")));
+        }
+        need(OP, "x", x.len(), &[tokens, heads, head_dim])?;
+        need(OP, "positions", positions.len(), &[tokens])?;
+        let args = [
+            x.into(),
+            positions.into(),
+            u32_of(OP, "tokens", tokens)?.into(),
+            u32_of(OP, "heads", heads)?.into(),
+            u32_of(OP, "head_dim", head_dim)?.into(),
+            u32_of(OP, "rope_dim", rope_dim)?.into(),
+            theta.into(),
+            (if inverse { -1.0f32 } else { 1.0f32 }).into(),
+        ];
+        s.launch(&self.rope, stride_grid(product(OP, &[tokens, heads, rope_dim / 2])?, 256), &args)?;
+        Ok(())
+    }
+
+    /// `gate_up [tokens, 2·ffn]` (gate = the first `ffn` columns, up = the last `ffn`) →
+    /// `out [tokens, ffn] = silu(min(gate, limit)) · clamp(up, −limit, limit)`, f32 math, bf16 in
+    /// and out. `limit = f32::INFINITY` disables the clamp (DeepSeek-V4's `swiglu_limit` is 10). A
+    /// NaN input gives NaN. CPU and GPU `expf` differ in the last ulp (compare with a tolerance).
+    pub fn swiglu(
+        &self,
+        s: &Stream,
+        gate_up: &View<bf16>,
+        out: &View<bf16>,
+        tokens: usize,
+        ffn: usize,
+        limit: f32,
+    ) -> Result<()> {
+        const OP: &str = "swiglu";
+        if limit.is_nan() || limit < 0.0 {
+            return Err(shape(OP, format!("limit {limit} must be ≥ 0 (or +inf)")));
+        }
+        need(OP, "gate_up", gate_up.len(), &[tokens, 2, ffn])?;
+        need(OP, "out", out.len(), &[tokens, ffn])?;
+        let args = [
+            gate_up.into(),
+            out.into(),
+            u32_of(OP, "tokens", tokens)?.into(),
+            u32_of(OP, "ffn", ffn)?.into(),
+            limit.into(),
+        ];
+        s.launch(&self.swiglu, stride_grid(product(OP, &[tokens, ffn])?, 256), &args)?;
+        Ok(())
+    }
+
+    /// `out[t, :] = table[ids[t], :]` for `t < tokens`, with `table [vocab, hidden]`,
+    /// `ids [tokens]`, `out [tokens, hidden]` (bf16 copied bit for bit). An id outside
+    /// `[0, vocab)` (−1 is padding) writes a zero row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn embed(
+        &self,
+        s: &Stream,
+        table: &View<bf16>,
+        ids: &View<i32>,
+        out: &View<bf16>,
+        tokens: usize,
+        hidden: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        const OP: &str = "embed";
+        need(OP, "table", table.len(), &[vocab, hidden])?;
+        need(OP, "ids", ids.len(), &[tokens])?;
+        need(OP, "out", out.len(), &[tokens, hidden])?;
+        let args = [
+            table.into(),
+            ids.into(),
+            out.into(),
+            u32_of(OP, "tokens", tokens)?.into(),
+            u32_of(OP, "hidden", hidden)?.into(),
+            u32_of(OP, "vocab", vocab)?.into(),
+        ];
+        s.launch(&self.embed, stride_grid(product(OP, &[tokens, hidden])?, 256), &args)?;
+        Ok(())
+    }
+
+    /// `out[r]` = index of the largest of `logits[r, 0..cols]` (f32, `logits [rows, cols]`,
+    /// `out [rows]`): the lowest index on ties, NaN never wins, an all-NaN row gives 0. One block
+    /// per row; exact on every backend.
+    pub fn argmax(&self, s: &Stream, logits: &View<f32>, out: &View<i32>, rows: usize, cols: usize) -> Result<()> {
+        const OP: &str = "argmax";
+        need(OP, "logits", logits.len(), &[rows, cols])?;
+        need(OP, "out", out.len(), &[rows])?;
+        let args =
+            [logits.into(), out.into(), u32_of(OP, "rows", rows)?.into(), u32_of(OP, "cols", cols)?.into()];
+        s.launch(&self.argmax, row_grid(rows, ARGMAX_THREADS), &args)?;
+        Ok(())
+    }
+
+    /// `y[t, j, :] = x[t, :]` for `j < copies`: `x [tokens, hidden]` → `y [tokens, copies,
+    /// hidden]` (the n residual streams), bf16 copied bit for bit.
+    pub fn repeat_rows(
+        &self,
+        s: &Stream,
+        x: &View<bf16>,
+        y: &View<bf16>,
+        tokens: usize,
+        copies: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        const OP: &str = "repeat_rows";
+        need(OP, "x", x.len(), &[tokens, hidden])?;
+        need(OP, "y", y.len(), &[tokens, copies, hidden])?;
+        let args = [
+            x.into(),
+            y.into(),
+            u32_of(OP, "tokens", tokens)?.into(),
+            u32_of(OP, "copies", copies)?.into(),
+            u32_of(OP, "hidden", hidden)?.into(),
+        ];
+        s.launch(&self.repeat_rows, stride_grid(product(OP, &[tokens, copies, hidden])?, 256), &args)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,597 @@
+//! The dense ops against straightforward f64 references on fresh random inputs (odd shapes, t = 1,
+//! n and k off the tile sizes), with poisoned outputs so unwritten elements show; matmul against a
+//! sequential f32 FMA chain bit for bit; batch invariance bit for bit (a row of a t = 37 launch
+//! equals it in t = 1 and t = 64 launches); argmax ties and NaN; embed with out-of-range ids;
+//! shape errors before launch; graph replay equal to eager. Written once against `&Device`.
+
+use holdfast_hal::{bf16, Buffer, Device, Element, Stream};
+use holdfast_kernels::{DenseKernels, Gemm, KernelsError};
+
+/// Unwritten bf16 outputs read as this NaN pattern.
+const POISON_BF16: u16 = 0xFFFF;
+/// Unwritten i32 outputs read as this, never a plausible index.
+const POISON_I32: i32 = 0x7B7B_7B7B;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    /// Uniform in [-1, 1).
+    fn unit(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn bf16s(&mut self, n: usize, scale: f32) -> Vec<bf16> {
+        (0..n).map(|_| bf16::from_f32(self.unit() * scale)).collect()
+    }
+    fn below(&mut self, n: u64) -> i64 {
+        (self.next() % n.max(1)) as i64
+    }
+}
+
+fn upload<T: Element>(dev: &Device, label: &str, data: &[T]) -> Buffer<T> {
+    dev.alloc_from_slice(label, data, true).expect("alloc")
+}
+
+fn poisoned_bf16(dev: &Device, label: &str, n: usize) -> Buffer<bf16> {
+    upload(dev, label, &vec![bf16::from_bits(POISON_BF16); n])
+}
+
+fn poisoned_f32(dev: &Device, label: &str, n: usize) -> Buffer<f32> {
+    upload(dev, label, &vec![f32::from_bits(0xFFFF_FFFF); n])
+}
+
+fn f64s(v: &[bf16]) -> Vec<f64> {
+    v.iter().map(|x| f64::from(x.to_f32())).collect()
+}
+
+/// Relative L2 error of `got` against `want`; NaN (never passes a `≤` check) if `got` has a NaN.
+fn rel_l2(got: &[f64], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let num: f64 = got.iter().zip(want).map(|(g, w)| (g - w) * (g - w)).sum();
+    let den: f64 = want.iter().map(|w| w * w).sum();
+    if got.iter().any(|g| g.is_nan()) {
+        return f64::NAN;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    let e = rel_l2(got, want);
+    assert!(e <= tol, "{what}: relative L2 error {e:e} above {tol:e}");
+}
+
+fn bits(v: &[bf16]) -> Vec<u16> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+fn matmul_ref(x: &[bf16], w: &[bf16], g: Gemm) -> Vec<f64> {
+    let (x, w) = (f64s(x), f64s(w));
+    let mut y = vec![0.0; g.t * g.groups * g.n];
+    for m in 0..g.t {
+        for gr in 0..g.groups {
+            let xr = &x[(m * g.groups + gr) * g.k..][..g.k];
+            for c in 0..g.n {
+                let wr = &w[(gr * g.n + c) * g.k..][..g.k];
+                y[(m * g.groups + gr) * g.n + c] = xr.iter().zip(wr).map(|(a, b)| a * b).sum();
+            }
+        }
+    }
+    y
+}
+
+/// The matmul's defined order: one f32 FMA chain over k from 0.
+fn matmul_chain(x: &[bf16], w: &[bf16], g: Gemm) -> Vec<f32> {
+    let mut y = vec![0f32; g.t * g.groups * g.n];
+    for m in 0..g.t {
+        for gr in 0..g.groups {
+            let xr = &x[(m * g.groups + gr) * g.k..][..g.k];
+            for c in 0..g.n {
+                let wr = &w[(gr * g.n + c) * g.k..][..g.k];
+                let mut acc = 0f32;
+                for (a, b) in xr.iter().zip(wr) {
+                    acc = a.to_f32().mul_add(b.to_f32(), acc);
+                }
+                y[(m * g.groups + gr) * g.n + c] = acc;
+            }
+        }
+    }
+    y
+}
+
+const SHAPES: [Gemm; 7] = [
+    Gemm { t: 1, n: 1, k: 1, groups: 1 },
+    Gemm { t: 1, n: 300, k: 257, groups: 1 },
+    Gemm { t: 37, n: 130, k: 67, groups: 1 },
+    Gemm { t: 5, n: 129, k: 32, groups: 1 },
+    Gemm { t: 64, n: 128, k: 256, groups: 1 },
+    Gemm { t: 33, n: 17, k: 40, groups: 3 },
+    Gemm { t: 3, n: 5, k: 0, groups: 1 },
+];
+
+fn matmul_matches_the_f64_reference_at_odd_shapes(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(3);
+    for g in SHAPES {
+        let (xh, wh) = (rng.bf16s(g.t * g.groups * g.k, 1.0), rng.bf16s(g.groups * g.n * g.k, 0.5));
+        let (x, w) = (upload(dev, "x", &xh), upload(dev, "w", &wh));
+        let len = g.t * g.groups * g.n;
+        let y = poisoned_bf16(dev, "y", len + 7);
+        let yf = poisoned_f32(dev, "yf", len + 7);
+        dk.matmul(&s, &x.view(), &w.view(), &y.prefix(len).expect("view"), g).expect("matmul");
+        dk.matmul_f32(&s, &x.view(), &w.view(), &yf.prefix(len).expect("view"), g).expect("matmul_f32");
+        let got = s.copy_to_host_sync(&y.view()).expect("read");
+        let gotf = s.copy_to_host_sync(&yf.view()).expect("read");
+        let want = matmul_ref(&xh, &wh, g);
+        if g.k == 0 {
+            assert!(got[..len].iter().all(|v| v.to_f32() == 0.0), "{g:?}: k = 0 writes zeros");
+        } else {
+            assert_close(&format!("matmul {g:?}"), &f64s(&got[..len]), &want, 1e-2);
+            let gf: Vec<f64> = gotf[..len].iter().map(|&v| f64::from(v)).collect();
+            assert_close(&format!("matmul_f32 {g:?}"), &gf, &want, 1e-4);
+        }
+        assert!(got[len..].iter().all(|v| v.to_bits() == POISON_BF16), "{g:?}: nothing written past y");
+        assert!(gotf[len..].iter().all(|v| v.to_bits() == 0xFFFF_FFFF), "{g:?}: nothing written past y (f32)");
+        // The defined order, bit for bit, on every backend; bf16 out is its rounding.
+        let chain = matmul_chain(&xh, &wh, g);
+        let gotf_bits: Vec<u32> = gotf[..len].iter().map(|v| v.to_bits()).collect();
+        assert_eq!(gotf_bits, chain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{g:?}: f32 FMA chain");
+        assert_eq!(bits(&got[..len]), chain.iter().map(|&v| bf16::from_f32(v).to_bits()).collect::<Vec<_>>());
+    }
+}
+
+fn matmul_rows_are_batch_invariant_bit_for_bit(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(17);
+    for groups in [1usize, 2] {
+        let (n, k) = (130usize, 100usize);
+        let xh = rng.bf16s(64 * groups * k, 1.0);
+        let wh = rng.bf16s(groups * n * k, 0.3);
+        let (x, w) = (upload(dev, "x", &xh), upload(dev, "w", &wh));
+        let run = |t: usize, x: &Buffer<bf16>| {
+            let y = poisoned_bf16(dev, "y", t * groups * n);
+            let yf = poisoned_f32(dev, "yf", t * groups * n);
+            let g = Gemm { t, n, k, groups };
+            let xv = x.prefix(t * groups * k).expect("view");
+            dk.matmul(&s, &xv, &w.view(), &y.view(), g).expect("matmul");
+            dk.matmul_f32(&s, &xv, &w.view(), &yf.view(), g).expect("matmul_f32");
+            let f: Vec<u32> = s.copy_to_host_sync(&yf.view()).expect("read").iter().map(|v| v.to_bits()).collect();
+            (bits(&s.copy_to_host_sync(&y.view()).expect("read")), f)
+        };
+        let (b64, f64_) = run(64, &x);
+        let (b37, f37) = run(37, &x);
+        let row = groups * n;
+        for r in [0usize, 1, 17, 31, 32, 36] {
+            let single = upload(dev, "x1", &xh[r * groups * k..(r + 1) * groups * k]);
+            let (b1, f1) = run(1, &single);
+            assert_eq!(&b37[r * row..(r + 1) * row], &b1[..], "groups {groups} row {r}: t=37 vs t=1 (bf16)");
+            assert_eq!(&b37[r * row..(r + 1) * row], &b64[r * row..(r + 1) * row], "row {r}: t=37 vs t=64");
+            assert_eq!(&f37[r * row..(r + 1) * row], &f1[..], "row {r}: t=37 vs t=1 (f32)");
+            assert_eq!(&f37[r * row..(r + 1) * row], &f64_[r * row..(r + 1) * row], "row {r}: t=37 vs t=64 (f32)");
+        }
+    }
+}
+
+fn rms_ref(x: &[bf16], w: &[bf16], dim: usize, eps: f64) -> Vec<f64> {
+    let (x, w) = (f64s(x), f64s(w));
+    x.chunks(dim)
+        .flat_map(|r| {
+            let inv = 1.0 / (r.iter().map(|v| v * v).sum::<f64>() / dim as f64 + eps).sqrt();
+            r.iter().zip(&w).map(move |(v, w)| v * inv * w).collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn rms_norm_matches_the_reference_in_place_and_per_row(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(29);
+    for (rows, dim) in [(1usize, 1usize), (1, 4096), (37, 256), (5, 300), (64, 513)] {
+        let (xh, wh) = (rng.bf16s(rows * dim, 3.0), rng.bf16s(dim, 1.0));
+        let (x, w) = (upload(dev, "x", &xh), upload(dev, "w", &wh));
+        let y = poisoned_bf16(dev, "y", rows * dim + 3);
+        dk.rms_norm(&s, &x.view(), &w.view(), &y.prefix(rows * dim).expect("v"), rows, dim, 1e-6).expect("norm");
+        let got = s.copy_to_host_sync(&y.view()).expect("read");
+        assert_close(&format!("rms_norm {rows}×{dim}"), &f64s(&got[..rows * dim]), &rms_ref(&xh, &wh, dim, 1e-6), 1e-2);
+        assert!(got[rows * dim..].iter().all(|v| v.to_bits() == POISON_BF16), "nothing written past y");
+        // In place equals out of place, bit for bit.
+        dk.rms_norm(&s, &x.view(), &w.view(), &x.view(), rows, dim, 1e-6).expect("in place");
+        assert_eq!(bits(&s.copy_to_host_sync(&x.view()).expect("read")), bits(&got[..rows * dim]), "in place");
+        // Each row alone gives the same bits.
+        let r = rows / 2;
+        let one = upload(dev, "x1", &xh[r * dim..(r + 1) * dim]);
+        let y1 = poisoned_bf16(dev, "y1", dim);
+        dk.rms_norm(&s, &one.view(), &w.view(), &y1.view(), 1, dim, 1e-6).expect("one row");
+        assert_eq!(bits(&s.copy_to_host_sync(&y1.view()).expect("read")), bits(&got[r * dim..(r + 1) * dim]));
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_ref(x: &[bf16], pos: &[i32], heads: usize, hd: usize, rd: usize, theta: f64, inverse: bool) -> Vec<f64> {
+    let mut out = f64s(x);
+    for (t, &p) in pos.iter().enumerate() {
+        if p < 0 {
+            continue;
+        }
+        for h in 0..heads {
+            let base = (t * heads + h) * hd + hd - rd;
+            for i in 0..rd / 2 {
+                let mut ang = f64::from(p) * theta.powf(-(2.0 * i as f64) / rd as f64);
+                if inverse {
+                    ang = -ang;
+                }
+                let (a, b) = (out[base + 2 * i], out[base + 2 * i + 1]);
+                out[base + 2 * i] = a * ang.cos() - b * ang.sin();
+                out[base + 2 * i + 1] = a * ang.sin() + b * ang.cos();
+            }
+        }
+    }
+    out
+}
+
+fn rope_matches_the_reference_and_skips_negative_positions(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(31);
+    for (tokens, heads, hd, rd) in [(1usize, 1usize, 2usize, 2usize), (37, 3, 96, 64), (5, 8, 64, 64), (16, 1, 512, 64)] {
+        let xh = rng.bf16s(tokens * heads * hd, 2.0);
+        let pos_h: Vec<i32> = (0..tokens).map(|t| if t % 5 == 3 { -1 } else { rng.below(5000) as i32 }).collect();
+        for inverse in [false, true] {
+            let x = upload(dev, "x", &xh);
+            let pos = upload(dev, "pos", &pos_h);
+            dk.rope(&s, &x.view(), &pos.view(), tokens, heads, hd, rd, 10000.0, inverse).expect("rope");
+            let got = s.copy_to_host_sync(&x.view()).expect("read");
+            let want = rope_ref(&xh, &pos_h, heads, hd, rd, 10000.0, inverse);
+            assert_close(&format!("rope {tokens}×{heads}×{hd}/{rd} inverse={inverse}"), &f64s(&got), &want, 1e-2);
+            let row = heads * hd;
+            for (t, &p) in pos_h.iter().enumerate() {
+                let r = t * row..(t + 1) * row;
+                if p < 0 {
+                    assert_eq!(bits(&got[r.clone()]), bits(&xh[r.clone()]), "token {t} (position -1) untouched");
+                }
+                for h in 0..heads {
+                    let nope = (t * heads + h) * hd..(t * heads + h) * hd + hd - rd;
+                    assert_eq!(bits(&got[nope.clone()]), bits(&xh[nope]), "dims before rope_dim untouched");
+                }
+            }
+        }
+        // The inverse undoes the rotation (up to bf16 rounding).
+        let x = upload(dev, "x", &xh);
+        let pos = upload(dev, "pos", &pos_h);
+        dk.rope(&s, &x.view(), &pos.view(), tokens, heads, hd, rd, 10000.0, false).expect("rope");
+        dk.rope(&s, &x.view(), &pos.view(), tokens, heads, hd, rd, 10000.0, true).expect("inverse");
+        assert_close("rope then inverse", &f64s(&s.copy_to_host_sync(&x.view()).expect("read")), &f64s(&xh), 1e-2);
+    }
+}
+
+fn swiglu_ref(gu: &[bf16], ffn: usize, limit: f64) -> Vec<f64> {
+    f64s(gu)
+        .chunks(2 * ffn)
+        .flat_map(|r| {
+            (0..ffn)
+                .map(|j| {
+                    let g = r[j].min(limit);
+                    let u = r[ffn + j].clamp(-limit, limit);
+                    g / (1.0 + (-g).exp()) * u
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn swiglu_matches_the_reference_with_and_without_the_limit(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(37);
+    for (tokens, ffn) in [(1usize, 1usize), (37, 100), (64, 512)] {
+        let gh = rng.bf16s(tokens * 2 * ffn, 20.0);
+        let gu = upload(dev, "gu", &gh);
+        for limit in [10.0f32, f32::INFINITY] {
+            let out = poisoned_bf16(dev, "out", tokens * ffn + 5);
+            dk.swiglu(&s, &gu.view(), &out.prefix(tokens * ffn).expect("v"), tokens, ffn, limit).expect("swiglu");
+            let got = s.copy_to_host_sync(&out.view()).expect("read");
+            let want = swiglu_ref(&gh, ffn, f64::from(limit));
+            assert_close(&format!("swiglu {tokens}×{ffn} limit {limit}"), &f64s(&got[..tokens * ffn]), &want, 1e-2);
+            assert!(got[tokens * ffn..].iter().all(|v| v.to_bits() == POISON_BF16), "nothing written past out");
+        }
+    }
+    // The clamp: gate 30 → 10, up ±30 → ±10; a NaN stays NaN.
+    let gu = upload(dev, "gu", &[30.0f32, 1.0, f32::NAN, 30.0, -30.0, 2.0].map(bf16::from_f32));
+    let out = poisoned_bf16(dev, "out", 3);
+    dk.swiglu(&s, &gu.view(), &out.view(), 1, 3, 10.0).expect("swiglu");
+    let got = s.copy_to_host_sync(&out.view()).expect("read");
+    let silu = |g: f64| g / (1.0 + (-g).exp());
+    assert!((got[0].to_f32() as f64 - silu(10.0) * 10.0).abs() < 0.1, "{got:?}");
+    assert!((got[1].to_f32() as f64 - silu(1.0) * -10.0).abs() < 0.05, "{got:?}");
+    assert!(got[2].to_f32().is_nan(), "NaN gate stays NaN: {got:?}");
+}
+
+fn embed_copies_rows_and_zeroes_out_of_range_ids(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(41);
+    let (vocab, hidden, tokens) = (50usize, 33usize, 40usize);
+    let th = rng.bf16s(vocab * hidden, 1.0);
+    let ids_h: Vec<i32> = (0..tokens)
+        .map(|t| match t % 7 {
+            0 => -1,
+            1 => vocab as i32,
+            2 => i32::MIN,
+            _ => rng.below(vocab as u64) as i32,
+        })
+        .collect();
+    let (table, ids) = (upload(dev, "table", &th), upload(dev, "ids", &ids_h));
+    let out = poisoned_bf16(dev, "out", tokens * hidden + 4);
+    dk.embed(&s, &table.view(), &ids.view(), &out.prefix(tokens * hidden).expect("v"), tokens, hidden, vocab)
+        .expect("embed");
+    let got = s.copy_to_host_sync(&out.view()).expect("read");
+    for (t, &id) in ids_h.iter().enumerate() {
+        let row = bits(&got[t * hidden..(t + 1) * hidden]);
+        if (0..vocab as i32).contains(&id) {
+            assert_eq!(row, bits(&th[id as usize * hidden..(id as usize + 1) * hidden]), "token {t}");
+        } else {
+            assert!(row.iter().all(|&b| b == 0), "token {t}: id {id} writes a zero row");
+        }
+    }
+    assert!(got[tokens * hidden..].iter().all(|v| v.to_bits() == POISON_BF16), "nothing written past out");
+}
+
+fn argmax_ref(row: &[f32]) -> i32 {
+    let mut best: Option<(f32, usize)> = None;
+    for (i, &v) in row.iter().enumerate() {
+        if v.is_nan() {
+            continue;
+        }
+        match best {
+            Some((b, _)) if v <= b => {}
+            _ => best = Some((v, i)),
+        }
+    }
+    best.map_or(0, |(_, i)| i as i32)
+}
+
+fn argmax_takes_the_lowest_index_on_ties_and_nan_never_wins(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(43);
+    for (rows, cols) in [(1usize, 1usize), (37, 1000), (3, 129_280), (64, 257)] {
+        // Coarse values make ties common.
+        let lh: Vec<f32> = (0..rows * cols)
+            .map(|i| if i % 11 == 5 { f32::NAN } else { (rng.unit() * 8.0).round() })
+            .collect();
+        let logits = upload(dev, "logits", &lh);
+        let out = upload(dev, "out", &vec![POISON_I32; rows + 2]);
+        dk.argmax(&s, &logits.view(), &out.prefix(rows).expect("v"), rows, cols).expect("argmax");
+        let got = s.copy_to_host_sync(&out.view()).expect("read");
+        let want: Vec<i32> = lh.chunks(cols).map(argmax_ref).collect();
+        assert_eq!(&got[..rows], &want[..], "{rows}×{cols}");
+        assert_eq!(&got[rows..], &[POISON_I32; 2], "nothing written past out");
+    }
+    let nan = f32::NAN;
+    let cases: [(&[f32], i32); 7] = [
+        (&[1.0, 3.0, 3.0, 2.0], 1),
+        (&[nan, nan, nan], 0),
+        (&[nan, -1.0, nan, -1.0], 1),
+        (&[nan, f32::NEG_INFINITY], 1),
+        (&[f32::NEG_INFINITY; 5], 0),
+        (&[0.0, -0.0, 5.0, f32::INFINITY, nan, f32::INFINITY], 3),
+        (&[-0.0, 0.0], 0),
+    ];
+    for (row, want) in cases {
+        let logits = upload(dev, "logits", row);
+        let out = upload(dev, "out", &[POISON_I32]);
+        dk.argmax(&s, &logits.view(), &out.view(), 1, row.len()).expect("argmax");
+        assert_eq!(s.copy_to_host_sync(&out.view()).expect("read")[0], want, "{row:?}");
+    }
+    // A long row whose maximum ties across block lanes (columns 700, 701 and 95_000).
+    let mut row = vec![0.5f32; 100_000];
+    row[95_000] = 2.0;
+    row[701] = 2.0;
+    row[700] = 2.0;
+    row[3] = nan;
+    let logits = upload(dev, "logits", &row);
+    let out = upload(dev, "out", &[POISON_I32]);
+    dk.argmax(&s, &logits.view(), &out.view(), 1, row.len()).expect("argmax");
+    assert_eq!(s.copy_to_host_sync(&out.view()).expect("read")[0], 700);
+}
+
+fn repeat_rows_copies_every_row(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(47);
+    for (tokens, copies, hidden) in [(1usize, 1usize, 1usize), (37, 4, 65), (64, 4, 256)] {
+        let xh = rng.bf16s(tokens * hidden, 1.0);
+        let x = upload(dev, "x", &xh);
+        let n = tokens * copies * hidden;
+        let y = poisoned_bf16(dev, "y", n + 3);
+        dk.repeat_rows(&s, &x.view(), &y.prefix(n).expect("v"), tokens, copies, hidden).expect("repeat");
+        let got = s.copy_to_host_sync(&y.view()).expect("read");
+        for t in 0..tokens {
+            for j in 0..copies {
+                let o = (t * copies + j) * hidden;
+                assert_eq!(bits(&got[o..o + hidden]), bits(&xh[t * hidden..(t + 1) * hidden]), "token {t} copy {j}");
+            }
+        }
+        assert!(got[n..].iter().all(|v| v.to_bits() == POISON_BF16), "nothing written past y");
+    }
+}
+
+fn shape_errors_are_reported_before_launch(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let b = poisoned_bf16(dev, "b", 64);
+    let f = poisoned_f32(dev, "f", 64);
+    let i = upload(dev, "i", &[POISON_I32; 16]);
+    let v = |n| b.prefix(n).expect("view");
+    let vf = |n| f.prefix(n).expect("view");
+    let vi = |n| i.prefix(n).expect("view");
+    let is_shape = |r: holdfast_kernels::Result<()>| matches!(r, Err(KernelsError::Shape { .. }));
+    let g = Gemm { t: 2, n: 3, k: 4, groups: 1 };
+    assert!(is_shape(dk.matmul(&s, &v(7), &v(12), &v(6), g)), "x too short");
+    assert!(is_shape(dk.matmul(&s, &v(8), &v(11), &v(6), g)), "w too short");
+    assert!(is_shape(dk.matmul(&s, &v(8), &v(12), &v(5), g)), "y too short");
+    assert!(is_shape(dk.matmul(&s, &v(8), &v(12), &v(6), Gemm { groups: 0, ..g })), "zero groups");
+    assert!(is_shape(dk.matmul(&s, &v(16), &v(24), &v(6), Gemm { groups: 2, ..g })), "y short for 2 groups");
+    assert!(is_shape(dk.matmul_f32(&s, &v(8), &v(12), &vf(5), g)), "f32 y too short");
+    let huge = Gemm { t: usize::MAX / 2, n: 3, k: 4, groups: 1 };
+    assert!(is_shape(dk.matmul(&s, &v(8), &v(12), &v(6), huge)), "overflowing shape");
+    assert!(is_shape(dk.rms_norm(&s, &v(15), &v(8), &v(16), 2, 8, 1e-6)), "norm x too short");
+    assert!(is_shape(dk.rms_norm(&s, &v(16), &v(7), &v(16), 2, 8, 1e-6)), "norm w too short");
+    assert!(is_shape(dk.rms_norm(&s, &v(16), &v(8), &v(15), 2, 8, 1e-6)), "norm y too short");
+    assert!(is_shape(dk.rope(&s, &v(31), &vi(2), 2, 2, 8, 4, 1e4, false)), "rope x too short");
+    assert!(is_shape(dk.rope(&s, &v(32), &vi(1), 2, 2, 8, 4, 1e4, false)), "rope positions too short");
+    assert!(is_shape(dk.rope(&s, &v(32), &vi(2), 2, 2, 8, 3, 1e4, false)), "odd rope_dim");
+    assert!(is_shape(dk.rope(&s, &v(32), &vi(2), 2, 2, 8, 10, 1e4, false)), "rope_dim above head_dim");
+    assert!(is_shape(dk.swiglu(&s, &v(15), &v(4), 2, 4, 10.0)), "gate_up too short");
+    assert!(is_shape(dk.swiglu(&s, &v(16), &v(7), 2, 4, 10.0)), "swiglu out too short");
+    assert!(is_shape(dk.swiglu(&s, &v(16), &v(8), 2, 4, f32::NAN)), "NaN limit");
+    assert!(is_shape(dk.embed(&s, &v(29), &vi(2), &v(6), 2, 3, 10)), "table too short");
+    assert!(is_shape(dk.embed(&s, &v(30), &vi(1), &v(6), 2, 3, 10)), "ids too short");
+    assert!(is_shape(dk.embed(&s, &v(30), &vi(2), &v(5), 2, 3, 10)), "embed out too short");
+    assert!(is_shape(dk.argmax(&s, &vf(11), &vi(3), 3, 4)), "logits too short");
+    assert!(is_shape(dk.argmax(&s, &vf(12), &vi(2), 3, 4)), "argmax out too short");
+    assert!(is_shape(dk.repeat_rows(&s, &v(5), &v(24), 2, 4, 3)), "repeat x too short");
+    assert!(is_shape(dk.repeat_rows(&s, &v(6), &v(23), 2, 4, 3)), "repeat y too short");
+    assert!(bits(&s.copy_to_host_sync(&b.view()).expect("read")).iter().all(|&x| x == POISON_BF16));
+    assert!(s.copy_to_host_sync(&f.view()).expect("read").iter().all(|x| x.to_bits() == 0xFFFF_FFFF));
+    assert!(s.copy_to_host_sync(&i.view()).expect("read").iter().all(|&x| x == POISON_I32));
+}
+
+/// Embed → repeat → rms_norm → matmul → swiglu → rope → matmul_f32 → argmax, the buffers of one
+/// chain: a forward-shaped sequence of every op.
+struct Chain {
+    ids: Buffer<i32>,
+    pos: Buffer<i32>,
+    table: Buffer<bf16>,
+    norm_w: Buffer<bf16>,
+    up_w: Buffer<bf16>,
+    head_w: Buffer<bf16>,
+    h: Buffer<bf16>,
+    rep: Buffer<bf16>,
+    gu: Buffer<bf16>,
+    act: Buffer<bf16>,
+    logits: Buffer<f32>,
+    out: Buffer<i32>,
+}
+
+const T: usize = 19;
+const HID: usize = 48;
+const FFN: usize = 40;
+const VOCAB: usize = 70;
+
+impl Chain {
+    fn new(dev: &Device, rng: &mut Rng) -> Self {
+        Chain {
+            ids: upload(dev, "ids", &[0i32; T]),
+            pos: upload(dev, "pos", &[0i32; T]),
+            table: upload(dev, "table", &rng.bf16s(VOCAB * HID, 1.0)),
+            norm_w: upload(dev, "norm_w", &rng.bf16s(HID, 1.0)),
+            up_w: upload(dev, "up_w", &rng.bf16s(2 * FFN * HID, 0.3)),
+            head_w: upload(dev, "head_w", &rng.bf16s(VOCAB * FFN, 0.3)),
+            h: poisoned_bf16(dev, "h", T * HID),
+            rep: poisoned_bf16(dev, "rep", T * 2 * HID),
+            gu: poisoned_bf16(dev, "gu", T * 2 * FFN),
+            act: poisoned_bf16(dev, "act", T * FFN),
+            logits: poisoned_f32(dev, "logits", T * VOCAB),
+            out: upload(dev, "out", &[POISON_I32; T]),
+        }
+    }
+
+    fn run(&self, dk: &DenseKernels, s: &Stream) {
+        dk.embed(s, &self.table.view(), &self.ids.view(), &self.h.view(), T, HID, VOCAB).expect("embed");
+        dk.repeat_rows(s, &self.h.view(), &self.rep.view(), T, 2, HID).expect("repeat");
+        dk.rms_norm(s, &self.h.view(), &self.norm_w.view(), &self.h.view(), T, HID, 1e-6).expect("norm");
+        dk.matmul(s, &self.h.view(), &self.up_w.view(), &self.gu.view(), Gemm::new(T, 2 * FFN, HID)).expect("up");
+        dk.swiglu(s, &self.gu.view(), &self.act.view(), T, FFN, 10.0).expect("swiglu");
+        dk.rope(s, &self.act.view(), &self.pos.view(), T, 2, FFN / 2, 8, 10000.0, false).expect("rope");
+        dk.matmul_f32(s, &self.act.view(), &self.head_w.view(), &self.logits.view(), Gemm::new(T, VOCAB, FFN))
+            .expect("head");
+        dk.argmax(s, &self.logits.view(), &self.out.view(), T, VOCAB).expect("argmax");
+    }
+
+    fn outputs(&self, s: &Stream) -> (Vec<u16>, Vec<u32>, Vec<i32>) {
+        let rep = bits(&s.copy_to_host_sync(&self.rep.view()).expect("read"));
+        let logits = s.copy_to_host_sync(&self.logits.view()).expect("read").iter().map(|v| v.to_bits()).collect();
+        (rep, logits, s.copy_to_host_sync(&self.out.view()).expect("read"))
+    }
+}
+
+fn graph_replay_with_fresh_inputs_equals_eager_bit_for_bit(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(53);
+    let graph_chain = Chain::new(dev, &mut rng);
+    let mut rng = Rng(53);
+    let eager_chain = Chain::new(dev, &mut rng);
+    s.begin_capture("dense chain").expect("begin");
+    graph_chain.run(&dk, &s);
+    let g = s.end_capture().expect("end");
+    for step in 0..5 {
+        let ids: Vec<i32> = (0..T).map(|_| rng.below(VOCAB as u64 + 4) as i32 - 2).collect();
+        let pos: Vec<i32> = (0..T).map(|_| rng.below(3000) as i32 - 1).collect();
+        for c in [&graph_chain, &eager_chain] {
+            s.copy_from_host(&ids, &c.ids.view()).expect("ids");
+            s.copy_from_host(&pos, &c.pos.view()).expect("pos");
+        }
+        g.replay(&s).expect("replay");
+        eager_chain.run(&dk, &s);
+        assert_eq!(graph_chain.outputs(&s), eager_chain.outputs(&s), "step {step}");
+    }
+}
+
+holdfast_hal::device_suite!(
+    matmul_matches_the_f64_reference_at_odd_shapes,
+    matmul_rows_are_batch_invariant_bit_for_bit,
+    rms_norm_matches_the_reference_in_place_and_per_row,
+    rope_matches_the_reference_and_skips_negative_positions,
+    swiglu_matches_the_reference_with_and_without_the_limit,
+    embed_copies_rows_and_zeroes_out_of_range_ids,
+    argmax_takes_the_lowest_index_on_ties_and_nan_never_wins,
+    repeat_rows_copies_every_row,
+    shape_errors_are_reported_before_launch,
+    graph_replay_with_fresh_inputs_equals_eager_bit_for_bit,
+);
+
+/// The CPU reference of `rms_norm` follows the device block's order, so it equals a test-side
+/// model of that order (256 strided FMA partials, halving tree) bit for bit.
+#[test]
+fn rms_norm_on_the_cpu_follows_the_device_summation_order() {
+    let dev = Device::cpu().expect("cpu");
+    let dk = DenseKernels::new(&dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(59);
+    let (rows, dim, eps) = (3usize, 1000usize, 1e-5f32);
+    let (xh, wh) = (rng.bf16s(rows * dim, 2.0), rng.bf16s(dim, 1.0));
+    let (x, w, y) = (upload(&dev, "x", &xh), upload(&dev, "w", &wh), poisoned_bf16(&dev, "y", rows * dim));
+    dk.rms_norm(&s, &x.view(), &w.view(), &y.view(), rows, dim, eps).expect("norm");
+    let got = bits(&s.copy_to_host_sync(&y.view()).expect("read"));
+    let threads = holdfast_kernels::NORM_THREADS;
+    for r in 0..rows {
+        let xr: Vec<f32> = xh[r * dim..(r + 1) * dim].iter().map(|v| v.to_f32()).collect();
+        let mut part = vec![0f32; threads];
+        for (c, v) in xr.iter().enumerate() {
+            part[c % threads] = v.mul_add(*v, part[c % threads]);
+        }
+        let mut width = threads;
+        while width > 1 {
+            width /= 2;
+            for i in 0..width {
+                part[i] += part[i + width];
+            }
+        }
+        let inv = 1.0 / (part[0] / dim as f32 + eps).sqrt();
+        let want: Vec<u16> = xr.iter().zip(&wh).map(|(v, w)| bf16::from_f32(v * inv * w.to_f32()).to_bits()).collect();
+        assert_eq!(&got[r * dim..(r + 1) * dim], &want[..], "row {r}");
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn dense_kernels_compile_for_sm_90_with_nvrtc() {
+    holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_kernels::dense_source());
+}
