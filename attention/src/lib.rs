@@ -38,6 +38,7 @@
 mod c128a;
 mod c4a;
 mod common;
+mod compressor;
 mod error;
 mod layer;
 pub mod source;
@@ -50,6 +51,7 @@ pub use common::{
     persistent_alloc, BlockTableConfig, BufferAlloc, BuildStats, CommonAttentionMetadata, CommonConfig, Ragged,
     StepInput, StepLayout, TableKind,
 };
+pub use compressor::{source as compressor_source, Compressor, CompressorWeights, COMPRESSOR_THREADS};
 pub use error::{AttentionError, Result};
 pub use layer::LayerKind;
 pub use source::C4A_THREADS;

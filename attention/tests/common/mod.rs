@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod sched;
+
 use holdfast_attention::{
     c128a_max_compressed, BlockTableConfig, CommonConfig, StepInput, StepLayout, C128A_RATIO, C4A_RATIO,
 };
