@@ -62,6 +62,25 @@ pub enum KvError {
         /// Columns of the row.
         max_blocks_per_seq: usize,
     },
+    /// A request would need more blocks than the whole pool has.
+    #[error(
+        "request {id}: {len} tokens need {need} blocks of {block_size} tokens in the {pool} cache, \
+         which has {capacity} usable blocks"
+    )]
+    ExceedsCapacity {
+        /// The pool.
+        pool: &'static str,
+        /// The request.
+        id: u64,
+        /// Tokens asked for.
+        len: usize,
+        /// Blocks those tokens need.
+        need: usize,
+        /// Tokens per block of the pool.
+        block_size: usize,
+        /// Usable blocks of the pool.
+        capacity: usize,
+    },
     /// The request holds no blocks (never ensured, or freed).
     #[error("request {0} holds no KV blocks")]
     UnknownRequest(u64),
@@ -326,7 +345,7 @@ impl KvManager {
     }
 
     /// Checks that a request of `len` tokens fits an empty cache and its table rows; the error
-    /// names the first limit it breaks ([`KvError::TooLong`] or [`KvError::Exhausted`]).
+    /// names the first limit it breaks ([`KvError::TooLong`] or [`KvError::ExceedsCapacity`]).
     pub fn check_fits_alone(&self, id: u64, len: usize) -> Result<(), KvError> {
         for (pool, max) in [(&self.swa, self.cfg.max_blocks_per_seq_swa), (&self.kv, self.cfg.max_blocks_per_seq_kv)] {
             let need = pool.blocks_for(len);
@@ -341,7 +360,14 @@ impl KvManager {
                 });
             }
             if need > pool.capacity() {
-                return Err(KvError::Exhausted { pool: pool.name, id, need, free: pool.capacity() });
+                return Err(KvError::ExceedsCapacity {
+                    pool: pool.name,
+                    id,
+                    len,
+                    need,
+                    block_size: pool.block_size,
+                    capacity: pool.capacity(),
+                });
             }
         }
         Ok(())
