@@ -168,7 +168,7 @@ impl Step {
     /// Query tokens of row `r`, or 0 past the end.
     pub fn query_len(&self, r: usize) -> usize {
         match (self.query_start_loc.get(r), self.query_start_loc.get(r + 1)) {
-            (Some(&a), Some(&b)) => usize::try_from(b - a).unwrap_or(0),
+            (Some(&a), Some(&b)) => usize::try_from(i64::from(b) - i64::from(a)).unwrap_or(0),
             _ => 0,
         }
     }
@@ -185,7 +185,7 @@ impl Step {
             .iter()
             .enumerate()
             .filter(|(_, &s)| s)
-            .filter_map(|(r, _)| self.query_start_loc.get(r + 1).and_then(|&e| usize::try_from(e - 1).ok()))
+            .filter_map(|(r, _)| self.query_start_loc.get(r + 1).and_then(|&e| usize::try_from(i64::from(e) - 1).ok()))
             .collect()
     }
 
