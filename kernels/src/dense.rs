@@ -121,7 +121,17 @@ impl DenseKernels {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn gemm(&self, op: &'static str, kernel: &Kernel, s: &Stream, x: &View<bf16>, w: &View<bf16>, y: holdfast_hal::Arg, y_len: usize, g: Gemm) -> Result<()> {
+    fn gemm(
+        &self,
+        op: &'static str,
+        kernel: &Kernel,
+        s: &Stream,
+        x: &View<bf16>,
+        w: &View<bf16>,
+        y: holdfast_hal::Arg,
+        y_len: usize,
+        g: Gemm,
+    ) -> Result<()> {
         if g.groups == 0 {
             return Err(shape(op, "groups must be at least 1".into()));
         }
@@ -129,7 +139,15 @@ impl DenseKernels {
         need(op, "w", w.len(), &[g.groups, g.n, g.k])?;
         need(op, "y", y_len, &[g.t, g.groups, g.n])?;
         if g.t.div_ceil(MATMUL_BM) > 65535 || g.groups > 65535 {
-            return Err(shape(op, format!("t = {} or groups = {} exceeds the grid (t ≤ {}, groups ≤ 65535)", g.t, g.groups, 65535 * MATMUL_BM)));
+            return Err(shape(
+                op,
+                format!(
+                    "t = {} or groups = {} exceeds the grid (t ≤ {}, groups ≤ 65535)",
+                    g.t,
+                    g.groups,
+                    65535 * MATMUL_BM
+                ),
+            ));
         }
         let args = [
             x.into(),
@@ -175,8 +193,14 @@ impl DenseKernels {
         need(OP, "x", x.len(), &[rows, dim])?;
         need(OP, "w", w.len(), &[dim])?;
         need(OP, "y", y.len(), &[rows, dim])?;
-        let args =
-            [x.into(), w.into(), y.into(), u32_of(OP, "rows", rows)?.into(), u32_of(OP, "dim", dim)?.into(), eps.into()];
+        let args = [
+            x.into(),
+            w.into(),
+            y.into(),
+            u32_of(OP, "rows", rows)?.into(),
+            u32_of(OP, "dim", dim)?.into(),
+            eps.into(),
+        ];
         s.launch(&self.rms_norm, row_grid(rows, NORM_THREADS as u32), &args)?;
         Ok(())
     }
@@ -203,7 +227,7 @@ impl DenseKernels {
         inverse: bool,
     ) -> Result<()> {
         const OP: &str = "rope";
-        if rope_dim % 2 != 0 || rope_dim > head_dim {
+        if !rope_dim.is_multiple_of(2) || rope_dim > head_dim {
             return Err(shape(OP, format!("rope_dim {rope_dim} must be even and at most head_dim {head_dim}")));
         }
         need(OP, "x", x.len(), &[tokens, heads, head_dim])?;
@@ -289,8 +313,7 @@ impl DenseKernels {
         const OP: &str = "argmax";
         need(OP, "logits", logits.len(), &[rows, cols])?;
         need(OP, "out", out.len(), &[rows])?;
-        let args =
-            [logits.into(), out.into(), u32_of(OP, "rows", rows)?.into(), u32_of(OP, "cols", cols)?.into()];
+        let args = [logits.into(), out.into(), u32_of(OP, "rows", rows)?.into(), u32_of(OP, "cols", cols)?.into()];
         s.launch(&self.argmax, row_grid(rows, ARGMAX_THREADS), &args)?;
         Ok(())
     }

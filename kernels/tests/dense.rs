@@ -238,7 +238,8 @@ fn rope_matches_the_reference_and_skips_negative_positions(dev: &Device) {
     let dk = DenseKernels::new(dev).expect("kernels");
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(31);
-    for (tokens, heads, hd, rd) in [(1usize, 1usize, 2usize, 2usize), (37, 3, 96, 64), (5, 8, 64, 64), (16, 1, 512, 64)] {
+    for (tokens, heads, hd, rd) in [(1usize, 1usize, 2usize, 2usize), (37, 3, 96, 64), (5, 8, 64, 64), (16, 1, 512, 64)]
+    {
         let xh = rng.bf16s(tokens * heads * hd, 2.0);
         let pos_h: Vec<i32> = (0..tokens).map(|t| if t % 5 == 3 { -1 } else { rng.below(5000) as i32 }).collect();
         for inverse in [false, true] {
@@ -361,9 +362,8 @@ fn argmax_takes_the_lowest_index_on_ties_and_nan_never_wins(dev: &Device) {
     let mut rng = Rng(43);
     for (rows, cols) in [(1usize, 1usize), (37, 1000), (3, 129_280), (64, 257)] {
         // Coarse values make ties common.
-        let lh: Vec<f32> = (0..rows * cols)
-            .map(|i| if i % 11 == 5 { f32::NAN } else { (rng.unit() * 8.0).round() })
-            .collect();
+        let lh: Vec<f32> =
+            (0..rows * cols).map(|i| if i % 11 == 5 { f32::NAN } else { (rng.unit() * 8.0).round() }).collect();
         let logits = upload(dev, "logits", &lh);
         let out = upload(dev, "out", &vec![POISON_I32; rows + 2]);
         dk.argmax(&s, &logits.view(), &out.prefix(rows).expect("v"), rows, cols).expect("argmax");
@@ -594,4 +594,27 @@ fn rms_norm_on_the_cpu_follows_the_device_summation_order() {
 #[test]
 fn dense_kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_kernels::dense_source());
+}
+
+/// Both warp widths compile, and the matmul entry points keep their 4 × 4 accumulator tile in
+/// registers (no local memory in their PTX) and read shared memory as 16-byte vectors.
+#[cfg(feature = "cuda")]
+#[test]
+fn dense_kernels_compile_at_both_warp_widths_and_the_matmul_does_not_spill() {
+    use holdfast_hal::cuda;
+    if let Some(reason) = cuda::nvrtc_unavailable_reason() {
+        assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here: {reason}");
+        eprintln!("skipped: NVRTC is not available ({reason})");
+        return;
+    }
+    for warp in [32, 64] {
+        let (cubin, ptx) = cuda::compile(holdfast_kernels::dense_source(), "sm_90", warp).expect("compiles");
+        assert!(!cubin.is_empty(), "no CUBIN at warp {warp}");
+        let ptx = String::from_utf8_lossy(&ptx);
+        for entry in ptx.split(".entry ").skip(1).filter(|e| e.starts_with("hf_matmul")) {
+            let name = entry.split('(').next().unwrap_or("?");
+            assert!(!entry.contains(".local"), "{name} uses local memory at warp {warp}");
+            assert!(entry.contains("ld.shared.v4.f32"), "{name} lacks 16-byte shared loads");
+        }
+    }
 }

@@ -1,0 +1,89 @@
+//! Dense matmul benches on the device named by `HOLDFAST_DEVICE` (default `cpu`).
+//!
+//! On a GPU: `x [t, 4096] · w [4096, 4096]ᵀ` at t ∈ {1, 8, 64, 256} and the vocab head
+//! `x [t, 4096] · w [129280, 4096]ᵀ` (f32 logits) at t ∈ {1, 64}. On the CPU backend the same cases
+//! run at the `tiny` model's shapes (n = k = 256, vocab 1024; t ≤ 64) so a run stays quick.
+//!
+//! Timing uses `iter_custom` with the stream synchronised inside the timed region, so it measures
+//! the device work, not the enqueue. Throughput is reported as elements = floating-point operations
+//! (2 · t · n · k per launch); each case also prints the bytes of weights it streams.
+
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use holdfast_hal::{bf16, BackendKind, Buffer, Device, Element, Stream};
+use holdfast_kernels::{DenseKernels, Gemm};
+
+fn device() -> Device {
+    let name = std::env::var("HOLDFAST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    match Device::open(&name) {
+        Ok(d) => d,
+        Err(e) => panic!("HOLDFAST_DEVICE={name}: {e}"),
+    }
+}
+
+/// `(label, ts, n, k, f32 output)` per case.
+fn cases(dev: &Device) -> Vec<(&'static str, Vec<usize>, usize, usize, bool)> {
+    if dev.backend() == BackendKind::Cpu {
+        vec![("square", vec![1, 8, 64], 256, 256, false), ("vocab_head", vec![1, 64], 1024, 256, true)]
+    } else {
+        vec![("square", vec![1, 8, 64, 256], 4096, 4096, false), ("vocab_head", vec![1, 64], 129_280, 4096, true)]
+    }
+}
+
+fn filled<T: Element>(dev: &Device, s: &Stream, label: &str, len: usize, byte: u8) -> Buffer<T> {
+    let b = dev.alloc_persistent::<T>(label, len).expect("alloc");
+    s.memset(&b.view(), byte).expect("memset");
+    b
+}
+
+fn timed(iters: u64, s: &Stream, mut f: impl FnMut()) -> Duration {
+    let start = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    s.synchronize().expect("sync");
+    start.elapsed()
+}
+
+fn bench(c: &mut Criterion) {
+    let dev = device();
+    let s = dev.create_stream().expect("stream");
+    let dk = DenseKernels::new(&dev).expect("kernels");
+    for (label, ts, n, k, f32_out) in cases(&dev) {
+        let max_t = ts.iter().copied().max().unwrap_or(1);
+        // 0x3c3c as bf16 is about 0.0115: finite sums at any k.
+        let x = filled::<bf16>(&dev, &s, "x", max_t * k, 0x3c);
+        let w = filled::<bf16>(&dev, &s, "w", n * k, 0x3c);
+        let y = filled::<bf16>(&dev, &s, "y", max_t * n, 0);
+        let yf = filled::<f32>(&dev, &s, "yf", max_t * n, 0);
+        let mut g = c.benchmark_group(format!("matmul/{label}/n={n}/k={k}"));
+        g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1));
+        for &t in &ts {
+            let shape = Gemm::new(t, n, k);
+            println!(
+                "dense matmul: {label} t={t} n={n} k={k} weight_bytes={} launch={:?}",
+                n * k * 2,
+                shape.launch_config()
+            );
+            g.throughput(Throughput::Elements(2 * shape.macs()));
+            let (xv, yv, yfv) =
+                (x.prefix(t * k).expect("view"), y.prefix(t * n).expect("view"), yf.prefix(t * n).expect("view"));
+            g.bench_with_input(BenchmarkId::from_parameter(t), &t, |b, _| {
+                b.iter_custom(|iters| {
+                    timed(iters, &s, || {
+                        if f32_out {
+                            dk.matmul_f32(&s, &xv, &w.view(), &yfv, shape).expect("matmul_f32");
+                        } else {
+                            dk.matmul(&s, &xv, &w.view(), &yv, shape).expect("matmul");
+                        }
+                    })
+                })
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
