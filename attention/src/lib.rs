@@ -40,6 +40,7 @@ mod c4a;
 mod common;
 mod compressor;
 mod error;
+mod indexer;
 mod layer;
 pub mod source;
 mod sparse_attention;
@@ -53,6 +54,9 @@ pub use common::{
 };
 pub use compressor::{source as compressor_source, Compressor, CompressorWeights, COMPRESSOR_THREADS};
 pub use error::{AttentionError, Result};
+pub use indexer::{
+    indexer_max_compressed, source as indexer_source, Indexer, INDEXER_MAX_SHARED_FLOATS, INDEXER_WARPS, TOPK_THREADS,
+};
 pub use layer::LayerKind;
 pub use source::C4A_THREADS;
 pub use sparse_attention::{

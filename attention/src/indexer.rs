@@ -1,0 +1,528 @@
+//! The DeepSeek-V4 c4a indexer (spec §5.6): per token, a logit for every visible compressed
+//! entry of its request, then the exact top-k of them.
+//!
+//! Per real token `t` at position `pos`, `n_t = min((pos + 1) / 4, max_compressed)` compressed
+//! entries exist. Their logits are
+//! `logit[c] = Σ_h w[t, h] · relu(scale · q[t, h, :] · k[slot(c), :])` for `c < n_t`, with `k`
+//! read from the indexer's own ratio-4 [`crate::Compressor`] cache through the main block table
+//! (`slot(c) = block_table_kv[req][c / cbs]·cbs + c % cbs`, `cbs = kv_block_size / 4`). The
+//! output row is the `topk` entries ordered by logit descending, then index ascending (ties go to
+//! the lower index), `-1` after; padding tokens and tokens with `n_t = 0` get a row of `-1`.
+//! These are *local* compressed positions; [`crate::C4aBuilder`] maps them to global slots.
+//!
+//! Two launches on the step's stream, no host sync, launch shapes from the layout's padded token
+//! count and the construction sizes only:
+//! 1. **logits** into a persistent workspace `[max_num_batched_tokens, max_compressed]` f32
+//!    (`max_compressed = ceil(max_model_len / 4)`): one block per token (grid-y blocks split its
+//!    entries), one warp per entry, `q` and `w` of the token staged in shared memory. Each
+//!    entry's sum over heads runs in head order; the dot product is a warp reduction on the GPU
+//!    and a sequential sum on the CPU, so the two agree to rounding, and each with itself bit for
+//!    bit.
+//! 2. **top-k** by rank counting: the rank of entry `c` is the number of entries that come before
+//!    it in the (logit descending, index ascending) order; entry `c` lands at `out[rank]` when
+//!    `rank < topk`. Ranks are a permutation of `0 .. n_t`, so the selection is exact and every
+//!    output cell is written once, by a plain store, in no data-dependent order. Logits are
+//!    compared through a total-order key (`−0` equals `+0`, a NaN ranks below every number).
+//!    **Cost: O(n_t²) comparisons per token** (tiled through shared memory on the GPU), which is
+//!    fine for the contexts of tests and small models but not for 1M-token contexts, where a radix
+//!    select should replace it; the CPU reference sorts, which gives the identical order.
+//!
+//! A compressed slot outside the cache cannot occur for a staged step (the block ids a token can
+//! reach are validated by [`CommonAttentionMetadata::stage`]); the GPU kernel would score such an
+//! entry 0, the CPU reference reports it as a kernel failure.
+//!
+//! Batch invariance: a token's row depends only on its own `q`, `w`, position, request and the
+//! cache. The workspace is `max_num_batched_tokens · max_compressed · 4` bytes (8 GiB for 8192
+//! tokens at a 1M context), sized once at construction.
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use holdfast_hal::{
+    bf16, Buffer, CpuLaunch, Device, Kernel, KernelEntry, KernelSource, LaunchConfig, Param, ScalarKind, Stream, View,
+};
+use rayon::prelude::*;
+
+use crate::common::{counting_syncs, BlockTableConfig, BuildStats, CommonAttentionMetadata, CommonConfig, TableKind};
+use crate::error::{AttentionError, Result};
+
+/// Tokens per indexer compressed entry (the c4a ratio).
+const RATIO: usize = 4;
+
+const CODE: &str = r#"
+#define HF_IDX_WARPS 4
+#define HF_TOPK_THREADS 256
+#define HF_TOPK_TILE 1024
+
+// Compressed entries token t sees: min((pos + 1) / 4, width); 0 for padding / slot -1 tokens.
+__device__ __forceinline__ int32_t hf_idx_visible(const int32_t* positions, const int32_t* slots,
+                                                  const int32_t* tok_req, uint32_t t, uint32_t width) {
+    if (slots[t] < 0 || tok_req[t] < 0) return 0;
+    uint32_t c = ((uint32_t)positions[t] + 1u) / 4u;
+    return (int32_t)(c < width ? c : width);
+}
+
+// scores[t, c] = sum_h w[t, h] * relu(scale * q[t, h, :] . k[slot(c), :]) for c < n_t.
+// Blocks of HF_IDX_WARPS warps; dynamic shared memory (heads * dim + heads + HF_IDX_WARPS * dim) floats.
+HF_KERNEL void hf_dsv4_indexer_logits(const hf_bf16* q, const float* w, const hf_bf16* k_cache,
+                                      const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
+                                      const int32_t* block_table, float* scores, uint32_t n, uint32_t heads,
+                                      uint32_t dim, uint32_t width, uint32_t cbs, uint32_t bt_width,
+                                      uint32_t cache_rows, float scale) {
+    extern __shared__ float sm[];
+    float* qs = sm;
+    float* wsh = sm + heads * dim;
+    const uint32_t warp = threadIdx.x / HF_WARP_SIZE, lane = threadIdx.x % HF_WARP_SIZE;
+    // This warp's K row; every lane reads back only the channels it wrote, so no sync is needed.
+    float* ks = wsh + heads + warp * dim;
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        const int32_t cn = hf_idx_visible(positions, slots, tok_req, t, width);
+        if (cn == 0) continue;
+        const int32_t* row = block_table + (uint64_t)tok_req[t] * bt_width;
+        __syncthreads();  // the previous token's readers of qs / wsh are done
+        for (uint32_t i = threadIdx.x; i < heads * dim; i += blockDim.x)
+            qs[i] = hf_bf16_to_f32(q[(uint64_t)t * heads * dim + i]);
+        for (uint32_t h = threadIdx.x; h < heads; h += blockDim.x) wsh[h] = w[(uint64_t)t * heads + h];
+        __syncthreads();
+        for (int32_t c = (int32_t)(blockIdx.y * HF_IDX_WARPS + warp); c < cn; c += (int32_t)(gridDim.y * HF_IDX_WARPS)) {
+            const int64_t slot = (int64_t)row[(uint32_t)c / cbs] * cbs + (uint32_t)c % cbs;
+            float acc = 0.0f;
+            if (slot >= 0 && slot < (int64_t)cache_rows) {
+                for (uint32_t d = lane; d < dim; d += HF_WARP_SIZE) ks[d] = hf_bf16_to_f32(k_cache[(uint64_t)slot * dim + d]);
+                for (uint32_t h = 0; h < heads; ++h) {
+                    const float* qh = qs + h * dim;
+                    float part = 0.0f;
+                    for (uint32_t d = lane; d < dim; d += HF_WARP_SIZE) part += qh[d] * ks[d];
+                    acc += wsh[h] * fmaxf(scale * hf_warp_sum(part), 0.0f);
+                }
+            }
+            if (lane == 0) scores[(uint64_t)t * width + c] = acc;
+        }
+    }
+}
+
+// Order-preserving key of a logit: -0 equals +0, every NaN is 0 (below -inf).
+__device__ __forceinline__ uint32_t hf_topk_key(float x) {
+    x = x + 0.0f;
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0u;
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// out[t, rank(c)] = c for rank(c) < k, rank by (logit descending, index ascending); -1 after.
+// Blocks of exactly HF_TOPK_THREADS threads, one block per token.
+HF_KERNEL void hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_t* slots,
+                                    const int32_t* tok_req, int32_t* out, uint32_t n, uint32_t width, uint32_t k) {
+    __shared__ uint32_t tile[HF_TOPK_TILE];
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        const int32_t cn = hf_idx_visible(positions, slots, tok_req, t, width);
+        const float* row = scores + (uint64_t)t * width;
+        for (int32_t base = 0; base < cn; base += HF_TOPK_THREADS) {
+            const int32_t c = base + (int32_t)threadIdx.x;
+            const uint32_t mine = c < cn ? hf_topk_key(row[c]) : 0u;
+            uint32_t rank = 0;
+            for (int32_t tb = 0; tb < cn; tb += HF_TOPK_TILE) {
+                const int32_t m = cn - tb < HF_TOPK_TILE ? cn - tb : HF_TOPK_TILE;
+                __syncthreads();
+                for (int32_t j = (int32_t)threadIdx.x; j < m; j += HF_TOPK_THREADS) tile[j] = hf_topk_key(row[tb + j]);
+                __syncthreads();
+                for (int32_t j = 0; j < m; ++j) {
+                    const uint32_t kj = tile[j];
+                    rank += (kj > mine || (kj == mine && tb + j < c)) ? 1u : 0u;
+                }
+            }
+            if (c < cn && rank < k) out[(uint64_t)t * k + rank] = c;
+        }
+        const uint32_t kept = (uint32_t)cn < k ? (uint32_t)cn : k;
+        for (uint32_t j = kept + threadIdx.x; j < k; j += HF_TOPK_THREADS) out[(uint64_t)t * k + j] = -1;
+    }
+}
+"#;
+
+/// Warps per block of the logits kernel.
+pub const INDEXER_WARPS: u32 = 4;
+/// Threads per block of the top-k kernel (its launcher uses exactly this many).
+pub const TOPK_THREADS: u32 = 256;
+/// Most f32 values the logits kernel stages in shared memory (48 KiB):
+/// `heads·head_dim + heads + INDEXER_WARPS·head_dim` must not exceed it.
+pub const INDEXER_MAX_SHARED_FLOATS: usize = 12288;
+
+/// The total-order key of a logit used by the top-k (as the kernel's `hf_topk_key`).
+fn topk_key(x: f32) -> u32 {
+    let x = x + 0.0;
+    if x.is_nan() {
+        return 0;
+    }
+    let u = x.to_bits();
+    if u >> 31 == 1 {
+        !u
+    } else {
+        u | 0x8000_0000
+    }
+}
+
+/// `(t, request, n_t)` of every token that sees at least one compressed entry.
+fn visible_tokens(
+    l: &CpuLaunch<'_>,
+    first: usize,
+    n: usize,
+    width: usize,
+) -> holdfast_hal::Result<Vec<(usize, i32, usize)>> {
+    let (pos, slots, req) = (l.ptr::<i32>(first)?, l.ptr::<i32>(first + 1)?, l.ptr::<i32>(first + 2)?);
+    let (pos, slots, req) = (pos.read(0, n)?, slots.read(0, n)?, req.read(0, n)?);
+    Ok((0..n)
+        .filter(|&t| slots[t] >= 0 && req[t] >= 0)
+        .map(|t| (t, req[t], (((pos[t] as u32).wrapping_add(1) / RATIO as u32) as usize).min(width)))
+        .filter(|&(_, _, c)| c > 0)
+        .collect())
+}
+
+fn logits_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
+    let (q, w, kc, bt, scores) =
+        (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<bf16>(2)?, l.ptr::<i32>(6)?, l.ptr::<f32>(7)?);
+    let (n, heads, dim, width, cbs, btw, rows) =
+        (l.count(8)?, l.count(9)?, l.count(10)?, l.count(11)?, l.count(12)?, l.count(13)?, l.count(14)?);
+    let scale = l.f32(15)?;
+    let jobs = visible_tokens(l, 3, n, width)?;
+    // Each request's K rows once, as f32 (`[n_max, dim]`), gathered through the checked pointers.
+    let mut keys: HashMap<i32, Vec<f32>> = HashMap::new();
+    for &(_, r, cn) in &jobs {
+        let have = keys.get(&r).map_or(0, |k| k.len() / dim);
+        if cn <= have {
+            continue;
+        }
+        let k = keys.entry(r).or_default();
+        for c in have..cn {
+            let block = bt.get_signed(i64::from(r) * btw as i64 + (c / cbs) as i64)?;
+            let slot = i64::from(block) * cbs as i64 + (c % cbs) as i64;
+            if slot < 0 || slot >= rows as i64 {
+                return Err(
+                    l.fail(format!("compressed entry {c} of request {r}: slot {slot} outside the {rows}-row cache"))
+                );
+            }
+            k.extend(kc.read(slot as usize * dim, dim)?.iter().map(|x| x.to_f32()));
+        }
+    }
+    let mut inputs = Vec::with_capacity(jobs.len());
+    for &(t, r, cn) in &jobs {
+        let qt: Vec<f32> = q.read(t * heads * dim, heads * dim)?.iter().map(|x| x.to_f32()).collect();
+        inputs.push((t, r, cn, qt, w.read(t * heads, heads)?));
+    }
+    let out: Vec<Vec<f32>> = inputs
+        .par_iter()
+        .map(|(_, r, cn, qt, wt)| {
+            let k = &keys[r];
+            (0..*cn)
+                .map(|c| {
+                    let kr = &k[c * dim..(c + 1) * dim];
+                    let mut acc = 0f32;
+                    for (h, wh) in wt.iter().enumerate() {
+                        let dot = qt[h * dim..(h + 1) * dim].iter().zip(kr).fold(0f32, |s, (a, b)| s + a * b);
+                        acc += wh * (scale * dot).max(0.0);
+                    }
+                    acc
+                })
+                .collect()
+        })
+        .collect();
+    for ((t, ..), row) in inputs.iter().zip(&out) {
+        scores.write(t * width, row)?;
+    }
+    Ok(())
+}
+
+fn topk_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
+    let (scores, out) = (l.ptr::<f32>(0)?, l.ptr::<i32>(4)?);
+    let (n, width, k) = (l.count(5)?, l.count(6)?, l.count(7)?);
+    let mut cn = vec![0usize; n];
+    for (t, _, c) in visible_tokens(l, 1, n, width)? {
+        cn[t] = c;
+    }
+    let mut rows = Vec::with_capacity(n);
+    for (t, &c) in cn.iter().enumerate() {
+        rows.push(scores.read(t * width, c)?);
+    }
+    let picked: Vec<Vec<i32>> = rows
+        .par_iter()
+        .map(|row| {
+            let keys: Vec<u32> = row.iter().map(|&x| topk_key(x)).collect();
+            let mut order: Vec<u32> = (0..row.len() as u32).collect();
+            order.sort_unstable_by(|&a, &b| keys[b as usize].cmp(&keys[a as usize]).then(a.cmp(&b)));
+            let mut r: Vec<i32> = order.iter().take(k).map(|&c| c as i32).collect();
+            r.resize(k, -1);
+            r
+        })
+        .collect();
+    for (t, r) in picked.iter().enumerate() {
+        out.write(t * k, r)?;
+    }
+    Ok(())
+}
+
+/// The indexer's kernel source (`hf_dsv4_indexer_logits`, `hf_dsv4_indexer_topk`).
+pub fn source() -> &'static KernelSource {
+    static SRC: OnceLock<KernelSource> = OnceLock::new();
+    SRC.get_or_init(|| {
+        let u = |n| Param::scalar(n, ScalarKind::U32);
+        let inp = Param::input::<i32>;
+        KernelSource {
+            name: "holdfast_indexer",
+            code: CODE,
+            entries: vec![
+                KernelEntry {
+                    name: "hf_dsv4_indexer_logits",
+                    params: vec![
+                        Param::input::<bf16>("q"),
+                        Param::input::<f32>("w"),
+                        Param::input::<bf16>("k_cache"),
+                        inp("positions"),
+                        inp("slots"),
+                        inp("tok_req"),
+                        inp("block_table"),
+                        Param::output::<f32>("scores"),
+                        u("n"),
+                        u("heads"),
+                        u("dim"),
+                        u("width"),
+                        u("cbs"),
+                        u("bt_width"),
+                        u("cache_rows"),
+                        Param::scalar("scale", ScalarKind::F32),
+                    ],
+                    cpu: logits_ref,
+                },
+                KernelEntry {
+                    name: "hf_dsv4_indexer_topk",
+                    params: vec![
+                        Param::input::<f32>("scores"),
+                        inp("positions"),
+                        inp("slots"),
+                        inp("tok_req"),
+                        Param::output::<i32>("out"),
+                        u("n"),
+                        u("width"),
+                        u("k"),
+                    ],
+                    cpu: topk_ref,
+                },
+            ],
+        }
+    })
+}
+
+fn shape(op: &'static str, detail: String) -> AttentionError {
+    AttentionError::Shape { op, detail }
+}
+
+/// Compressed entries per sequence the indexer scores: `ceil(max_model_len / 4)`.
+pub fn indexer_max_compressed(max_model_len: usize) -> usize {
+    max_model_len.div_ceil(RATIO)
+}
+
+/// The c4a indexer for `heads × head_dim` query heads and `topk` selected entries, compiled for
+/// one device, with its persistent score workspace; see the [module docs](self).
+pub struct Indexer {
+    heads: usize,
+    head_dim: usize,
+    topk: usize,
+    max_tokens: usize,
+    max_compressed: usize,
+    table: BlockTableConfig,
+    warp: u32,
+    scores: Buffer<f32>,
+    logits: Kernel,
+    select: Kernel,
+}
+
+impl std::fmt::Debug for Indexer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Indexer({} × {} heads, top-{}, workspace [{}, {}])",
+            self.heads, self.head_dim, self.topk, self.max_tokens, self.max_compressed
+        )
+    }
+}
+
+impl Indexer {
+    /// An indexer of `heads` query heads of `head_dim` (64 × 128 in V4) selecting `topk`
+    /// (`index_topk`) entries per token. Allocates the persistent workspace
+    /// `[max_num_batched_tokens, ceil(max_model_len / 4)]` f32. `cfg.kv_table.block_size` must be
+    /// a multiple of 4.
+    pub fn new(dev: &Device, cfg: &CommonConfig, heads: usize, head_dim: usize, topk: usize) -> Result<Self> {
+        const OP: &str = "Indexer::new";
+        if heads == 0 || head_dim == 0 {
+            return Err(shape(OP, format!("heads {heads} and head_dim {head_dim} must be positive")));
+        }
+        let shared = heads
+            .checked_mul(head_dim)
+            .and_then(|v| v.checked_add(heads + INDEXER_WARPS as usize * head_dim))
+            .filter(|&v| v <= INDEXER_MAX_SHARED_FLOATS);
+        if shared.is_none() {
+            return Err(shape(
+                OP,
+                format!(
+                    "{heads} heads × {head_dim} (+ {heads} weights + {INDEXER_WARPS} K rows) exceed the \
+                     {INDEXER_MAX_SHARED_FLOATS} floats of shared memory one block stages"
+                ),
+            ));
+        }
+        if topk == 0 || topk > i32::MAX as usize {
+            return Err(AttentionError::Config(format!("{OP}: index_topk {topk} must lie in [1, 2^31)")));
+        }
+        let table = cfg.kv_table;
+        if !table.block_size.is_multiple_of(RATIO) {
+            return Err(AttentionError::Config(format!(
+                "{OP}: KV block size {} is not a multiple of {RATIO}",
+                table.block_size
+            )));
+        }
+        let (t, mc) = (cfg.max_num_batched_tokens, indexer_max_compressed(cfg.max_model_len));
+        let cache_rows = table.num_blocks.checked_mul(table.block_size / RATIO);
+        if cache_rows.and_then(|r| r.checked_mul(head_dim)).is_none_or(|v| v > u32::MAX as usize)
+            || t.checked_mul(topk).is_none()
+            || t.checked_mul(heads * head_dim).is_none()
+        {
+            return Err(AttentionError::Config(format!("{OP}: cache or per-token sizes overflow")));
+        }
+        let cells = t
+            .checked_mul(mc)
+            .ok_or_else(|| AttentionError::Config(format!("{OP}: workspace [{t}, {mc}] overflows")))?;
+        let m = dev.compile(source())?;
+        Ok(Indexer {
+            heads,
+            head_dim,
+            topk,
+            max_tokens: t,
+            max_compressed: mc,
+            table,
+            warp: dev.info().warp_size.max(32),
+            scores: dev.alloc_persistent("attn.indexer.scores", cells.max(1))?,
+            logits: m.kernel("hf_dsv4_indexer_logits")?,
+            select: m.kernel("hf_dsv4_indexer_topk")?,
+        })
+    }
+
+    /// Entries per output row.
+    pub fn topk(&self) -> usize {
+        self.topk
+    }
+
+    /// Width of the score workspace: `ceil(max_model_len / 4)` compressed entries.
+    pub fn max_compressed(&self) -> usize {
+        self.max_compressed
+    }
+
+    /// Rows of the indexer K cache it reads: `kv_table.num_blocks · block_size / 4`.
+    pub fn cache_rows(&self) -> usize {
+        self.table.num_blocks * (self.table.block_size / RATIO)
+    }
+
+    /// One step on `s`: `out [num_tokens_padded, topk]` i32 local compressed positions from
+    /// `q [T, heads, head_dim]` bf16 (RoPE applied), `w [T, heads]` f32 head weights and
+    /// `k_cache [≥ cache_rows, head_dim]` bf16, with logit `scale` (`T = num_tokens_padded`).
+    /// Two launches, no host sync.
+    #[allow(clippy::too_many_arguments)]
+    pub fn select(
+        &self,
+        s: &Stream,
+        common: &CommonAttentionMetadata,
+        q: &View<bf16>,
+        w: &View<f32>,
+        k_cache: &View<bf16>,
+        scale: f32,
+        out: &View<i32>,
+    ) -> Result<()> {
+        self.select_with_stats(s, common, q, w, k_cache, scale, out).map(|_| ())
+    }
+
+    /// As [`Indexer::select`], returning the launches enqueued and the host syncs measured.
+    #[allow(clippy::too_many_arguments)]
+    pub fn select_with_stats(
+        &self,
+        s: &Stream,
+        common: &CommonAttentionMetadata,
+        q: &View<bf16>,
+        w: &View<f32>,
+        k_cache: &View<bf16>,
+        scale: f32,
+        out: &View<i32>,
+    ) -> Result<BuildStats> {
+        const OP: &str = "Indexer::select";
+        let c = common.config();
+        if c.max_num_batched_tokens > self.max_tokens
+            || indexer_max_compressed(c.max_model_len) > self.max_compressed
+            || c.kv_table != self.table
+        {
+            return Err(AttentionError::Mismatch(format!(
+                "{OP}: common metadata ({} tokens, max_model_len {}, KV table {:?}) does not fit the indexer \
+                 ({} tokens, {} compressed entries, KV table {:?})",
+                c.max_num_batched_tokens, c.max_model_len, c.kv_table, self.max_tokens, self.max_compressed, self.table
+            )));
+        }
+        let layout = common.layout()?;
+        let (t, h, d, k) = (layout.num_tokens_padded, self.heads, self.head_dim, self.topk);
+        let checks = [
+            ("q", q.len(), t * h * d, format!("[{t} padded tokens, {h}, {d}]")),
+            ("w", w.len(), t * h, format!("[{t} padded tokens, {h}]")),
+            ("k_cache", k_cache.len(), self.cache_rows() * d, format!("[{} rows, {d}]", self.cache_rows())),
+            ("out", out.len(), t * k, format!("[{t} padded tokens, top-{k}]")),
+        ];
+        for (name, len, need, what) in checks {
+            if len < need {
+                return Err(shape(OP, format!("{name} holds {len} elements, {what} needs {need}")));
+            }
+        }
+        let dev = common.device().clone();
+        let (launches, host_syncs) = counting_syncs(&dev, || {
+            let (pos, slots, req, bt) = (
+                common.positions()?,
+                common.slot_mapping()?,
+                common.token_to_req()?,
+                common.block_table(TableKind::Kv)?,
+            );
+            let scores = self.scores.prefix((t * self.max_compressed).max(1))?;
+            let u = |v: usize| v as u32;
+            let rows = t.clamp(1, 65535) as u32;
+            let split = self.max_compressed.div_ceil(8 * INDEXER_WARPS as usize).clamp(1, 16) as u32;
+            let logits = [
+                q.into(),
+                w.into(),
+                k_cache.into(),
+                (&pos).into(),
+                (&slots).into(),
+                (&req).into(),
+                (&bt).into(),
+                (&scores).into(),
+                u(t).into(),
+                u(h).into(),
+                u(d).into(),
+                u(self.max_compressed).into(),
+                u(self.table.block_size / RATIO).into(),
+                u(self.table.max_blocks_per_seq).into(),
+                u((k_cache.len() / d).min(u32::MAX as usize)).into(),
+                scale.into(),
+            ];
+            let cfg = LaunchConfig {
+                grid: (rows, split, 1),
+                block: (INDEXER_WARPS * self.warp, 1, 1),
+                shared_mem_bytes: ((h * d + h + INDEXER_WARPS as usize * d) * 4) as u32,
+            };
+            s.launch(&self.logits, cfg, &logits)?;
+            let out = out.slice(0, (t * k).max(1).min(out.len()))?;
+            let topk = [
+                (&scores).into(),
+                (&pos).into(),
+                (&slots).into(),
+                (&req).into(),
+                (&out).into(),
+                u(t).into(),
+                u(self.max_compressed).into(),
+                u(k).into(),
+            ];
+            s.launch(&self.select, LaunchConfig::blocks(rows, TOPK_THREADS), &topk)?;
+            Ok(2)
+        })?;
+        Ok(BuildStats { launches, host_syncs })
+    }
+}

@@ -1,0 +1,512 @@
+//! The c4a indexer against an f64 definition with an exact sorted top-k: integer-valued inputs
+//! (every f32 sum is exact in any order, and ties are frequent), rows with fewer entries than
+//! `topk`, no entries, padding, long rows, real-valued inputs (checked up to rounding), batch
+//! invariance and input validation. One test captures compressor + indexer + c4a build in a graph
+//! and replays it over fresh steps, bit for bit equal to eager. Runs on `cpu` always and on
+//! `cuda:0` when present.
+
+mod common;
+
+use common::sched::*;
+use common::{token, Batch, Rng, POISON};
+use holdfast_attention::{
+    indexer_max_compressed, AttentionError, C4aBuilder, CommonAttentionMetadata, CommonConfig, Compressor,
+    CompressorWeights, Indexer,
+};
+use holdfast_hal::{bf16, Buffer, Device, Stream};
+
+struct Rig {
+    cfg: CommonConfig,
+    common: CommonAttentionMetadata,
+    idx: Indexer,
+    kh: Vec<bf16>,
+    k: Buffer<bf16>,
+    q: Buffer<bf16>,
+    w: Buffer<f32>,
+    out: Buffer<i32>,
+    heads: usize,
+    dim: usize,
+    topk: usize,
+}
+
+impl Rig {
+    fn new(dev: &Device, cfg: CommonConfig, heads: usize, dim: usize, topk: usize, kh: Vec<bf16>) -> Rig {
+        let idx = Indexer::new(dev, &cfg, heads, dim, topk).expect("indexer");
+        assert_eq!(kh.len(), idx.cache_rows() * dim);
+        let t = cfg.max_num_batched_tokens;
+        Rig {
+            common: CommonAttentionMetadata::new(dev, cfg).expect("common"),
+            k: dev.alloc_from_slice("test.k_cache", &kh, true).expect("k"),
+            q: dev.alloc_persistent("test.q", t * heads * dim).expect("q"),
+            w: dev.alloc_persistent("test.w", t * heads).expect("w"),
+            out: dev.alloc_from_slice("test.out", &vec![POISON; t * topk], true).expect("out"),
+            idx,
+            kh,
+            cfg,
+            heads,
+            dim,
+            topk,
+        }
+    }
+
+    /// Stages `b`, runs the indexer and returns the whole (poisoned first) output buffer.
+    fn run(&mut self, s: &Stream, b: &Batch, q: &[bf16], w: &[f32], scale: f32) -> Vec<i32> {
+        let l = self.common.stage(&b.input()).expect("stage");
+        let t = l.num_tokens_padded;
+        self.common.upload(s).expect("upload");
+        let qv = self.q.prefix(t * self.heads * self.dim).expect("q");
+        let wv = self.w.prefix(t * self.heads).expect("w");
+        s.copy_from_host(q, &qv).expect("q upload");
+        s.copy_from_host(w, &wv).expect("w upload");
+        let stats = self
+            .idx
+            .select_with_stats(
+                s,
+                &self.common,
+                &qv,
+                &wv,
+                &self.k.view(),
+                scale,
+                &self.out.prefix(t * self.topk).expect("out"),
+            )
+            .expect("select");
+        assert_eq!((stats.launches, stats.host_syncs), (2, 0));
+        s.copy_to_host_sync(&self.out.view()).expect("read out")
+    }
+
+    /// The f64 logits of every padded token (empty for tokens that see nothing).
+    fn logits(&self, b: &Batch, q: &[bf16], w: &[f32], scale: f64) -> Vec<Vec<f64>> {
+        let (h, d) = (self.heads, self.dim);
+        let kt = self.cfg.kv_table;
+        let cbs = kt.block_size / 4;
+        let mc = indexer_max_compressed(self.cfg.max_model_len);
+        (0..b.tokens_padded)
+            .map(|t| {
+                let (valid, p, r) = token(b, t);
+                let n = if valid { (((p + 1) / 4) as usize).min(mc) } else { 0 };
+                (0..n)
+                    .map(|c| {
+                        let slot = b.kv_bt[r * kt.max_blocks_per_seq + c / cbs] as usize * cbs + c % cbs;
+                        let k = &self.kh[slot * d..(slot + 1) * d];
+                        (0..h)
+                            .map(|hh| {
+                                let qh = &q[(t * h + hh) * d..(t * h + hh + 1) * d];
+                                let dot: f64 =
+                                    qh.iter().zip(k).map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32())).sum();
+                                f64::from(w[t * h + hh]) * (scale * dot).max(0.0)
+                            })
+                            .sum()
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+/// Top-`k` of `logits` by (value descending, index ascending), `-1` padded to `k`.
+fn sorted_topk(logits: &[f64], k: usize) -> Vec<i32> {
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    let mut r: Vec<i32> = order.into_iter().take(k).map(|c| c as i32).collect();
+    r.resize(k, -1);
+    r
+}
+
+/// Checks rows `< tokens_padded` against `want` and that the rest stayed poison.
+fn check_rows(out: &[i32], want: &[Vec<i32>], k: usize, what: &str) {
+    for (t, w) in want.iter().enumerate() {
+        assert_eq!(&out[t * k..(t + 1) * k], &w[..], "{what}: token {t}");
+    }
+    assert!(out[want.len() * k..].iter().all(|&v| v == POISON), "{what}: rows past the padded count were written");
+}
+
+fn int_bf16(rng: &mut Rng, n: usize, lo: i64, hi: i64) -> Vec<bf16> {
+    (0..n).map(|_| bf16::from_f32(rng.range(lo, hi) as f32)).collect()
+}
+
+/// Weights that are multiples of 0.5, so every product and sum stays exact in f32.
+fn int_weights(rng: &mut Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.range(-2, 4) as f32 * 0.5).collect()
+}
+
+/// One step over requests with contexts `ctx` and `new` tokens left each (decodes or chunks).
+fn one_step(rng: &mut Rng, cfg: &CommonConfig, ctx: &[usize], new: &[usize], max_pad: usize) -> Batch {
+    let lens: Vec<usize> = ctx.iter().zip(new).map(|(c, n)| c + n).collect();
+    let mut reqs = requests(rng, cfg, &lens);
+    for (r, &c) in reqs.iter_mut().zip(ctx) {
+        r.done = c;
+    }
+    plan(rng, cfg, &mut reqs, 64, max_pad).expect("a step").batch
+}
+
+fn integer_logits_select_the_exact_top_k_with_ties_to_the_lower_index(dev: &Device) {
+    let mut rng = Rng(0x1D3);
+    let (heads, dim, topk) = (4, 32, 8);
+    let cfg = small_config(96, 6, 512, 16, 64);
+    let rows = 64 * 4;
+    let rig_k = int_bf16(&mut rng, rows * dim, -1, 1);
+    let mut rig = Rig::new(dev, cfg, heads, dim, topk, rig_k);
+    let s = dev.create_stream().expect("stream");
+    let mut ties_at_cut = 0;
+    for i in 0..8 {
+        let ctx: Vec<usize> = (0..4).map(|_| rng.range(0, 120) as usize).collect();
+        let new: Vec<usize> = (0..4).map(|_| rng.range(1, 20) as usize).collect();
+        let b = one_step(&mut rng, &cfg, &ctx, &new, 4);
+        let t = b.tokens_padded;
+        let q = int_bf16(&mut rng, t * heads * dim, -2, 2);
+        let w = int_weights(&mut rng, t * heads);
+        let got = rig.run(&s, &b, &q, &w, 0.5);
+        let logits = rig.logits(&b, &q, &w, 0.5);
+        let want: Vec<Vec<i32>> = logits.iter().map(|l| sorted_topk(l, topk)).collect();
+        for (l, w) in logits.iter().zip(&want) {
+            if l.len() > topk {
+                let cut = l[w[topk - 1] as usize];
+                ties_at_cut += usize::from(l.iter().filter(|&&v| v == cut).count() > 1);
+            }
+        }
+        check_rows(&got, &want, topk, &format!("step {i}"));
+        dev.write_sync(&rig.out, &vec![POISON; rig.out.len()]).expect("re-poison");
+    }
+    assert!(ties_at_cut > 0, "the inputs produced no tie at the top-k boundary");
+}
+
+fn short_rows_empty_rows_and_padding_get_minus_one(dev: &Device) {
+    let mut rng = Rng(0x5EED);
+    let (heads, dim, topk) = (2, 32, 16);
+    let cfg = small_config(64, 4, 256, 16, 32);
+    let kh = int_bf16(&mut rng, 32 * 4 * dim, -3, 3);
+    let mut rig = Rig::new(dev, cfg, heads, dim, topk, kh);
+    let s = dev.create_stream().expect("stream");
+    // A request starting at position 0 (n_t = 0 for positions 0..=2), one with n_t < topk, padding.
+    let b = one_step(&mut rng, &cfg, &[0, 30, 9], &[7, 1, 1], 5);
+    let t = b.tokens_padded;
+    let q = int_bf16(&mut rng, t * heads * dim, -2, 2);
+    let w = int_weights(&mut rng, t * heads);
+    let got = rig.run(&s, &b, &q, &w, 0.25);
+    let logits = rig.logits(&b, &q, &w, 0.25);
+    assert!(logits.iter().any(|l| l.is_empty()) && logits.iter().any(|l| !l.is_empty() && l.len() < topk));
+    let want: Vec<Vec<i32>> = logits.iter().map(|l| sorted_topk(l, topk)).collect();
+    for (tok, w) in want.iter().enumerate() {
+        if !token(&b, tok).0 {
+            assert!(w.iter().all(|&v| v == -1), "padding row {tok}");
+        }
+    }
+    check_rows(&got, &want, topk, "short rows");
+}
+
+fn equal_logits_keep_index_order(dev: &Device) {
+    let mut rng = Rng(11);
+    let (heads, dim, topk) = (3, 32, 12);
+    let cfg = small_config(32, 2, 256, 16, 16);
+    let row = int_bf16(&mut rng, dim, 1, 2);
+    let kh: Vec<bf16> = (0..16 * 4).flat_map(|_| row.clone()).collect();
+    let mut rig = Rig::new(dev, cfg, heads, dim, topk, kh);
+    let s = dev.create_stream().expect("stream");
+    let b = one_step(&mut rng, &cfg, &[60, 20], &[3, 1], 2);
+    let t = b.tokens_padded;
+    let q = int_bf16(&mut rng, t * heads * dim, 0, 2);
+    let w = vec![1.0f32; t * heads];
+    let got = rig.run(&s, &b, &q, &w, 1.0);
+    let want: Vec<Vec<i32>> = (0..t)
+        .map(|tok| {
+            let (valid, p, _) = token(&b, tok);
+            let n = if valid { ((p + 1) / 4) as usize } else { 0 };
+            (0..topk).map(|j| if j < n { j as i32 } else { -1 }).collect()
+        })
+        .collect();
+    check_rows(&got, &want, topk, "equal logits");
+}
+
+fn long_rows_match_a_sorted_reference_exactly(dev: &Device) {
+    let mut rng = Rng(0x10_0000);
+    let (heads, dim, topk) = (2, 32, 300);
+    let cfg = small_config(16, 2, 8192, 256, 64);
+    let kh = int_bf16(&mut rng, 64 * 64 * dim, -3, 3);
+    let mut rig = Rig::new(dev, cfg, heads, dim, topk, kh);
+    let s = dev.create_stream().expect("stream");
+    // n_t around 1500 (several top-k tiles and thread rounds on the GPU) and near 300.
+    let b = one_step(&mut rng, &cfg, &[6000, 1190], &[2, 3], 1);
+    let t = b.tokens_padded;
+    let q = int_bf16(&mut rng, t * heads * dim, -3, 3);
+    let w = int_weights(&mut rng, t * heads);
+    let got = rig.run(&s, &b, &q, &w, 0.5);
+    let logits = rig.logits(&b, &q, &w, 0.5);
+    assert!(logits.iter().map(|l| l.len()).max().unwrap_or(0) > 1024);
+    let want: Vec<Vec<i32>> = logits.iter().map(|l| sorted_topk(l, topk)).collect();
+    check_rows(&got, &want, topk, "long rows");
+}
+
+fn real_valued_logits_select_a_valid_top_k(dev: &Device) {
+    let mut rng = Rng(0xF10A7);
+    let (heads, dim, topk) = (8, 64, 10);
+    let cfg = small_config(64, 4, 512, 16, 48);
+    let kh: Vec<bf16> = (0..48 * 4 * dim).map(|_| bf16::from_f32(uniform(&mut rng, -1.0, 1.0))).collect();
+    let mut rig = Rig::new(dev, cfg, heads, dim, topk, kh);
+    let s = dev.create_stream().expect("stream");
+    for i in 0..4 {
+        let b = one_step(&mut rng, &cfg, &[150, 90, 7], &[12, 1, 20], 3);
+        let t = b.tokens_padded;
+        let q: Vec<bf16> = (0..t * heads * dim).map(|_| bf16::from_f32(uniform(&mut rng, -1.0, 1.0))).collect();
+        let w: Vec<f32> = (0..t * heads).map(|_| uniform(&mut rng, -0.5, 1.0)).collect();
+        let scale = (dim as f32).powf(-0.5);
+        let got = rig.run(&s, &b, &q, &w, scale);
+        let logits = rig.logits(&b, &q, &w, f64::from(scale));
+        for (tok, l) in logits.iter().enumerate() {
+            let row = &got[tok * topk..(tok + 1) * topk];
+            let kept = l.len().min(topk);
+            assert!(row[kept..].iter().all(|&v| v == -1), "step {i} token {tok}: tail {row:?}");
+            let sel: Vec<usize> = row[..kept].iter().map(|&v| usize::try_from(v).expect("an entry")).collect();
+            let mut uniq = sel.clone();
+            uniq.sort_unstable();
+            uniq.dedup();
+            assert_eq!(uniq.len(), kept, "step {i} token {tok}: repeated entries {row:?}");
+            let tol = 1e-4 * (1.0 + l.iter().fold(0f64, |m, v| m.max(v.abs())));
+            for pair in sel.windows(2) {
+                assert!(l[pair[0]] >= l[pair[1]] - tol, "step {i} token {tok}: order {row:?}");
+            }
+            let min_sel = sel.iter().map(|&c| l[c]).fold(f64::INFINITY, f64::min);
+            let max_rest = (0..l.len()).filter(|c| !sel.contains(c)).map(|c| l[c]).fold(f64::NEG_INFINITY, f64::max);
+            assert!(min_sel >= max_rest - tol, "step {i} token {tok}: {min_sel} selected below {max_rest}");
+        }
+        assert!(got[logits.len() * topk..].iter().all(|&v| v == POISON), "step {i}: rows past the padded count");
+        dev.write_sync(&rig.out, &vec![POISON; rig.out.len()]).expect("re-poison");
+    }
+}
+
+fn a_row_does_not_depend_on_the_rest_of_the_batch(dev: &Device) {
+    let mut rng = Rng(0xBA7C4);
+    let (heads, dim, topk) = (4, 64, 8);
+    let cfg = small_config(64, 4, 512, 16, 48);
+    let kh: Vec<bf16> = (0..48 * 4 * dim).map(|_| bf16::from_f32(uniform(&mut rng, -1.0, 1.0))).collect();
+    let mut rig = Rig::new(dev, cfg, heads, dim, topk, kh);
+    let s = dev.create_stream().expect("stream");
+    // Request A alone (unpadded), then A behind a decode, with extra padding; same inputs for A.
+    let mut reqs = requests(&mut rng, &cfg, &[100, 90]);
+    reqs[0].done = 80;
+    reqs[1].done = 89;
+    let a = Batch {
+        qsl: vec![0, 20],
+        seq_lens: vec![100],
+        positions: (80..100).collect(),
+        slots: (80..100).map(|p| reqs[0].blocks[p / 16] * 16 + (p % 16) as i32).collect(),
+        swa_bt: vec![0; cfg.swa_table.max_blocks_per_seq],
+        kv_bt: reqs[0].blocks.clone(),
+        reqs_padded: 1,
+        tokens_padded: 20,
+    };
+    let qa: Vec<bf16> = (0..20 * heads * dim).map(|_| bf16::from_f32(uniform(&mut rng, -1.0, 1.0))).collect();
+    let wa: Vec<f32> = (0..20 * heads).map(|_| uniform(&mut rng, -0.5, 1.0)).collect();
+    let alone = rig.run(&s, &a, &qa, &wa, 0.125);
+    let mut ab = a.clone();
+    ab.qsl = vec![0, 1, 21];
+    ab.seq_lens = vec![90, 100];
+    ab.positions.insert(0, 89);
+    ab.slots.insert(0, reqs[1].blocks[89 / 16] * 16 + 89 % 16);
+    ab.swa_bt = vec![0; 2 * cfg.swa_table.max_blocks_per_seq];
+    ab.kv_bt = [reqs[1].blocks.clone(), reqs[0].blocks.clone()].concat();
+    ab.reqs_padded = 3;
+    ab.tokens_padded = 29;
+    let mut qb: Vec<bf16> = (0..heads * dim).map(|_| bf16::from_f32(uniform(&mut rng, -1.0, 1.0))).collect();
+    qb.extend_from_slice(&qa);
+    qb.resize(29 * heads * dim, bf16::from_f32(0.5));
+    let mut wb: Vec<f32> = (0..heads).map(|_| uniform(&mut rng, -0.5, 1.0)).collect();
+    wb.extend_from_slice(&wa);
+    wb.resize(29 * heads, 1.0);
+    let batched = rig.run(&s, &ab, &qb, &wb, 0.125);
+    assert_eq!(&batched[topk..21 * topk], &alone[..20 * topk], "request A's rows changed with the batch");
+}
+
+fn bad_configs_and_views_are_errors(dev: &Device) {
+    let cfg = small_config(16, 2, 128, 16, 8);
+    for (h, d) in [(0, 64), (4, 0), (64, 192)] {
+        let e = Indexer::new(dev, &cfg, h, d, 8).expect_err("bad shape");
+        assert!(matches!(e, AttentionError::Shape { op: "Indexer::new", .. }), "{e}");
+    }
+    let e = Indexer::new(dev, &cfg, 4, 64, 0).expect_err("topk 0");
+    assert!(matches!(e, AttentionError::Config(ref m) if m.contains("index_topk")), "{e}");
+    let mut odd = cfg;
+    odd.kv_table.block_size = 18;
+    assert!(matches!(Indexer::new(dev, &odd, 4, 64, 8), Err(AttentionError::Config(_))));
+
+    let idx = Indexer::new(dev, &cfg, 4, 64, 8).expect("indexer");
+    assert_eq!((idx.max_compressed(), idx.cache_rows(), idx.topk()), (32, 32, 8));
+    let s = dev.create_stream().expect("stream");
+    let mut common = CommonAttentionMetadata::new(dev, cfg).expect("common");
+    let q = dev.alloc_zeroed::<bf16>("t.q", 16 * 4 * 64, true).expect("q");
+    let w = dev.alloc_zeroed::<f32>("t.w", 16 * 4, true).expect("w");
+    let k = dev.alloc_zeroed::<bf16>("t.k", 32 * 64, true).expect("k");
+    let out = dev.alloc_zeroed::<i32>("t.out", 16 * 8, true).expect("out");
+    let e = idx.select(&s, &common, &q.view(), &w.view(), &k.view(), 1.0, &out.view()).expect_err("not staged");
+    assert!(matches!(e, AttentionError::NotStaged), "{e}");
+    let mut rng = Rng(4);
+    let b = one_step(&mut rng, &cfg, &[10], &[6], 0);
+    common.stage(&b.input()).expect("stage");
+    common.upload(&s).expect("upload");
+    let t = b.tokens_padded;
+    let qs = q.prefix(t * 256 - 1).expect("q");
+    let ws = w.prefix(t * 4 - 1).expect("w");
+    let ks = k.prefix(32 * 64 - 1).expect("k");
+    let os = out.prefix(t * 8 - 1).expect("out");
+    let cases = [
+        ("q", idx.select(&s, &common, &qs, &w.view(), &k.view(), 1.0, &out.view())),
+        ("w", idx.select(&s, &common, &q.view(), &ws, &k.view(), 1.0, &out.view())),
+        ("k_cache", idx.select(&s, &common, &q.view(), &w.view(), &ks, 1.0, &out.view())),
+        ("out", idx.select(&s, &common, &q.view(), &w.view(), &k.view(), 1.0, &os)),
+    ];
+    for (name, r) in cases {
+        let e = r.expect_err("short view");
+        assert!(
+            matches!(&e, AttentionError::Shape { op: "Indexer::select", detail } if detail.starts_with(name)),
+            "{name}: {e}"
+        );
+    }
+    let bigger = small_config(32, 2, 128, 16, 8);
+    let common2 = CommonAttentionMetadata::new(dev, bigger).expect("common");
+    let e = idx.select(&s, &common2, &q.view(), &w.view(), &k.view(), 1.0, &out.view()).expect_err("mismatch");
+    assert!(matches!(e, AttentionError::Mismatch(_)), "{e}");
+}
+
+/// Compressor (indexer K, ratio 4) + indexer + c4a build, captured once at a padded decode size
+/// and replayed over fresh steps: each replay equals an eager run from the same state bit for bit.
+fn compressor_indexer_and_c4a_build_replay_equals_eager(dev: &Device) {
+    let mut rng = Rng(0x6EA9);
+    let (heads, dim, rope, topk, rows) = (4, 64, 16, 6, 4);
+    let cfg = small_config(32, 4, 512, 16, 40);
+    let s = dev.create_stream().expect("stream");
+    let mut common = CommonAttentionMetadata::new(dev, cfg).expect("common");
+    let comp = Compressor::new(dev, &cfg, 4, dim, rope, 10000.0, 1e-6).expect("compressor");
+    let idx = Indexer::new(dev, &cfg, heads, dim, topk).expect("indexer");
+    let c4a = C4aBuilder::new(dev, &cfg, topk).expect("c4a");
+    let t_max = cfg.max_num_batched_tokens;
+    let ape: Vec<f32> = (0..4 * dim).map(|_| uniform(&mut rng, -1.0, 1.0)).collect();
+    let norm: Vec<bf16> = (0..dim).map(|_| bf16::from_f32(uniform(&mut rng, 0.5, 1.5))).collect();
+    let ape = dev.alloc_from_slice("g.ape", &ape, true).expect("ape");
+    let norm = dev.alloc_from_slice("g.norm", &norm, true).expect("norm");
+    let state = dev.alloc_zeroed::<f32>("g.state", comp.state_len(), true).expect("state");
+    let cache = dev.alloc_zeroed::<bf16>("g.cache", comp.cache_len(), true).expect("cache");
+    let kv = dev.alloc_persistent::<f32>("g.kv", t_max * 2 * dim).expect("kv");
+    let q = dev.alloc_persistent::<bf16>("g.q", t_max * heads * dim).expect("q");
+    let w = dev.alloc_persistent::<f32>("g.w", t_max * heads).expect("w");
+    let out = dev.alloc_from_slice("g.topk", &vec![-1; t_max * topk], true).expect("out");
+    let (kv_pin, q_pin, w_pin) = (
+        dev.alloc_pinned::<f32>(t_max * 2 * dim).expect("pinned"),
+        dev.alloc_pinned::<bf16>(t_max * heads * dim).expect("pinned"),
+        dev.alloc_pinned::<f32>(t_max * heads).expect("pinned"),
+    );
+    let (state_bak, cache_bak) = (
+        dev.alloc::<f32>("g.state_bak", comp.state_len()).expect("bak"),
+        dev.alloc::<bf16>("g.cache_bak", comp.cache_len()).expect("bak"),
+    );
+    let forward = |s: &Stream, common: &CommonAttentionMetadata| {
+        common.upload(s).expect("upload");
+        let kvv = kv.prefix(rows * 2 * dim).expect("kv");
+        let (qv, wv, ov) = (
+            q.prefix(rows * heads * dim).expect("q"),
+            w.prefix(rows * heads).expect("w"),
+            out.prefix(rows * topk).expect("out"),
+        );
+        s.copy_from_pinned(&kv_pin, 0, &kvv).expect("kv");
+        s.copy_from_pinned(&q_pin, 0, &qv).expect("q");
+        s.copy_from_pinned(&w_pin, 0, &wv).expect("w");
+        let wts = CompressorWeights { ape: &ape.view(), norm: &norm.view() };
+        comp.run(s, common, &kvv, &wts, &state.view(), &cache.view()).expect("compress");
+        idx.select(s, common, &qv, &wv, &cache.view(), 0.125, &ov).expect("select");
+        c4a.build(s, common, &ov).expect("c4a").decode.expect("decode rows")
+    };
+    // Three requests: a prefill of their contexts (eager), then decode steps padded to `rows`.
+    let mut reqs = requests(&mut rng, &cfg, &[200, 200, 200]);
+    let ctx = [37usize, 50, 2];
+    for (r, &c) in reqs.iter_mut().zip(&ctx) {
+        r.len = c;
+    }
+    let stage_inputs = |rng: &mut Rng, tokens: usize| {
+        let kvh: Vec<f32> = (0..tokens * 2 * dim).map(|_| uniform(rng, -1.0, 1.0)).collect();
+        let qh: Vec<bf16> = (0..tokens * heads * dim).map(|_| bf16::from_f32(uniform(rng, -1.0, 1.0))).collect();
+        let wh: Vec<f32> = (0..tokens * heads).map(|_| uniform(rng, 0.0, 1.0)).collect();
+        kv_pin.write(0, &kvh).expect("pin");
+        q_pin.write(0, &qh).expect("pin");
+        w_pin.write(0, &wh).expect("pin");
+    };
+    while let Some(step) = plan(&mut rng, &cfg, &mut reqs, 10, 0) {
+        let l = common.stage(&step.batch.input()).expect("stage prefill");
+        stage_inputs(&mut rng, l.num_tokens_padded);
+        // A prefill step is not `rows` tokens; run its pieces eagerly with its own sizes.
+        common.upload(&s).expect("upload");
+        let t = l.num_tokens_padded;
+        let kvv = kv.prefix(t * 2 * dim).expect("kv");
+        s.copy_from_pinned(&kv_pin, 0, &kvv).expect("kv");
+        let wts = CompressorWeights { ape: &ape.view(), norm: &norm.view() };
+        comp.run(&s, &common, &kvv, &wts, &state.view(), &cache.view()).expect("compress");
+    }
+    let decode_step = |rng: &mut Rng, common: &mut CommonAttentionMetadata, reqs: &mut Vec<Req>| {
+        for r in reqs.iter_mut() {
+            r.len = r.done + usize::from(rng.below(4) != 0);
+        }
+        if reqs.iter().all(|r| r.len == r.done) {
+            reqs[0].len += 1;
+        }
+        let mut step = plan(rng, &cfg, reqs, 1, 0).expect("a decode step");
+        step.batch.tokens_padded = rows;
+        step.batch.reqs_padded = rows;
+        let l = common.stage(&step.batch.input()).expect("stage decode");
+        assert_eq!(l.num_decode_tokens, rows);
+        stage_inputs(rng, rows);
+    };
+    decode_step(&mut rng, &mut common, &mut reqs);
+    let views = forward(&s, &common); // warm-up; the views are the same at every step
+    s.synchronize().expect("sync");
+    let syncs = dev.stats().host_syncs;
+    s.begin_capture("compressor + indexer + c4a").expect("begin");
+    forward(&s, &common); // the same staged step again: the state writes are idempotent
+    let graph = s.end_capture().expect("end capture");
+    assert_eq!(dev.stats().host_syncs, syncs, "capture made no host sync");
+    let read_all = |s: &Stream, r: &holdfast_attention::Ragged| {
+        (
+            s.copy_to_host_sync(&state.view()).expect("state"),
+            s.copy_to_host_sync(&cache.view()).expect("cache").iter().map(|x| x.to_bits()).collect::<Vec<u16>>(),
+            s.copy_to_host_sync(&out.view()).expect("out"),
+            s.copy_to_host_sync(&r.indptr).expect("indptr"),
+            s.copy_to_host_sync(&r.indices).expect("indices"),
+        )
+    };
+    let mut selected = 0;
+    for i in 0..16 {
+        decode_step(&mut rng, &mut common, &mut reqs);
+        s.copy(&state.view(), &state_bak.view()).expect("backup");
+        s.copy(&cache.view(), &cache_bak.view()).expect("backup");
+        graph.replay(&s).expect("replay");
+        let replayed = read_all(&s, &views.ragged);
+        s.copy(&state_bak.view(), &state.view()).expect("restore");
+        s.copy(&cache_bak.view(), &cache.view()).expect("restore");
+        c4a.fill_outputs(&s, POISON).expect("poison");
+        dev.write_sync(&out, &vec![POISON; out.len()]).expect("poison");
+        let eager = forward(&s, &common);
+        let eager = read_all(&s, &eager.ragged);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        assert_eq!(bits(&replayed.0), bits(&eager.0), "step {i}: state");
+        assert_eq!(replayed.1, eager.1, "step {i}: compressed cache");
+        assert_eq!(replayed.2[..rows * topk], eager.2[..rows * topk], "step {i}: top-k");
+        let nnz = eager.3[rows] as usize;
+        assert_eq!((&replayed.3, &replayed.4[..nnz]), (&eager.3, &eager.4[..nnz]), "step {i}: c4a ragged");
+        selected += eager.3[rows];
+    }
+    assert!(selected > 0, "the replays selected no compressed entry");
+    assert_eq!(graph.replays(), 16);
+}
+
+holdfast_hal::device_suite!(
+    integer_logits_select_the_exact_top_k_with_ties_to_the_lower_index,
+    short_rows_empty_rows_and_padding_get_minus_one,
+    equal_logits_keep_index_order,
+    long_rows_match_a_sorted_reference_exactly,
+    real_valued_logits_select_a_valid_top_k,
+    a_row_does_not_depend_on_the_rest_of_the_batch,
+    bad_configs_and_views_are_errors,
+    compressor_indexer_and_c4a_build_replay_equals_eager
+);
+
+#[cfg(feature = "cuda")]
+#[test]
+fn indexer_kernels_compile_for_sm_90_with_nvrtc() {
+    holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_attention::indexer_source());
+}
