@@ -38,9 +38,9 @@
 mod c128a;
 mod c4a;
 mod common;
-mod compressor;
+pub mod compressor;
 mod error;
-mod indexer;
+pub mod indexer;
 mod layer;
 pub mod source;
 mod sparse_attention;
