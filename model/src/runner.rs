@@ -1,0 +1,354 @@
+//! [`ModelRunner`]: the model, its graphs and its dispatcher, one step at a time; and
+//! [`ModelRunner::serve`], which drives a [`Scheduler`] until every request finishes.
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use holdfast_graph::{
+    resolve, BatchDescriptor, CaptureSizeConfig, CaptureSizes, CgSupport, DispatchStats, Dispatcher, DispatcherConfig,
+    FallbackReason, GraphMode, GraphRunner, LoraConfig, ModeSet, ResolveContext, Resolved, RunnerConfig, RunnerStats,
+    RuntimeMode,
+};
+use holdfast_hal::{Device, Stream};
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+use crate::forward::{sample_rows, ForwardLimits, ModelForward};
+use crate::kv::{KvConfig, KvManager};
+use crate::scheduler::{Finished, Request, Scheduler, SchedulerConfig, Step};
+use crate::weights::{SeededInit, WeightSource, Weights};
+
+/// Tokens per block of the SWA cache (DeepSeek-V4).
+pub const SWA_BLOCK_SIZE: usize = 64;
+/// Uncompressed tokens per block of the main (compressed) cache (DeepSeek-V4).
+pub const KV_BLOCK_SIZE: usize = 256;
+
+/// How the runner is built.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunnerSettings {
+    /// The configured graph mode (resolved against the model's attention support).
+    pub graph_mode: GraphMode,
+    /// Most requests in one step.
+    pub max_num_seqs: usize,
+    /// Most tokens in one step.
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence (prompt + generated), in tokens.
+    pub max_model_len: usize,
+    /// Explicit capture sizes, in tokens (default: the reference's list up to the limits).
+    pub capture_sizes: Option<Vec<u32>>,
+    /// Largest capture size, in tokens.
+    pub max_capture_size: Option<u32>,
+    /// Main-cache blocks of 256 tokens (the null block included); default: enough for every
+    /// request at `max_model_len`. The SWA cache gets 4× as many blocks of 64 tokens.
+    pub kv_num_blocks: Option<usize>,
+    /// Seed of the deterministic weights.
+    pub seed: u64,
+    /// Longest prefill chunk of one request per step (0: only the token budget limits it).
+    pub long_prefill_token_threshold: usize,
+}
+
+impl Default for RunnerSettings {
+    fn default() -> Self {
+        RunnerSettings {
+            graph_mode: GraphMode::FullAndPiecewise,
+            max_num_seqs: 16,
+            max_num_batched_tokens: 128,
+            max_model_len: 1024,
+            capture_sizes: None,
+            max_capture_size: None,
+            kv_num_blocks: None,
+            seed: 0,
+            long_prefill_token_threshold: 0,
+        }
+    }
+}
+
+/// What one step did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepResult {
+    /// The sampled token of each sampling request, in the step's request order.
+    pub tokens: Vec<i32>,
+    /// How the step ran.
+    pub mode: RuntimeMode,
+    /// The descriptor it ran with (padded for graph steps).
+    pub desc: BatchDescriptor,
+    /// Why it ran eagerly, if it did.
+    pub fallback: Option<FallbackReason>,
+    /// Host time to dispatch, stage and enqueue the step, in seconds (excludes waiting for the
+    /// device).
+    pub host_seconds: f64,
+    /// Host time including the wait for the sampled tokens, in seconds.
+    pub total_seconds: f64,
+}
+
+/// What [`ModelRunner::serve`] produced.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ServeReport {
+    /// Generated tokens per request id.
+    pub outputs: BTreeMap<u64, Vec<i32>>,
+    /// Steps run.
+    pub steps: u64,
+    /// Tokens processed (prefill + decode), generated tokens.
+    pub tokens_processed: u64,
+    /// Tokens generated.
+    pub tokens_generated: u64,
+    /// Per-step wall time, in seconds, in order.
+    pub step_seconds: Vec<f64>,
+    /// Steps per runtime mode (NONE, PIECEWISE, FULL).
+    pub steps_per_mode: [u64; 3],
+    /// Preemptions the scheduler made.
+    pub preemptions: u64,
+    /// Wall time of the whole run, in seconds.
+    pub seconds: f64,
+}
+
+/// The model with its graphs: dispatch, stage, run or replay, sample.
+pub struct ModelRunner {
+    stream: Stream,
+    runner: GraphRunner<ModelForward>,
+    dispatcher: Dispatcher,
+    resolved: Resolved,
+    kv: KvConfig,
+    settings: RunnerSettings,
+}
+
+impl std::fmt::Debug for ModelRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelRunner").field("mode", &self.resolved.mode).field("settings", &self.settings).finish()
+    }
+}
+
+fn setting(setting: &'static str, detail: impl Into<String>) -> ModelError {
+    ModelError::Setting { setting, detail: detail.into() }
+}
+
+/// The attention support the model declares: every token is a row of the ragged kernels and
+/// every view depends on the padded row count alone (see [`crate::forward`]).
+pub const MODEL_CG_SUPPORT: CgSupport = CgSupport::Always;
+
+impl ModelRunner {
+    /// Builds the model with seeded weights on `dev`.
+    pub fn new(dev: &Device, cfg: &ModelConfig, settings: &RunnerSettings) -> Result<Self> {
+        Self::with_weights(dev, cfg, settings, &mut SeededInit { seed: settings.seed })
+    }
+
+    /// Builds the model with weights from `src`.
+    pub fn with_weights(
+        dev: &Device,
+        cfg: &ModelConfig,
+        settings: &RunnerSettings,
+        src: &mut dyn WeightSource,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        let s = settings;
+        if s.max_num_seqs == 0 || s.max_num_seqs > s.max_num_batched_tokens {
+            return Err(setting(
+                "max_num_seqs",
+                format!("must lie in [1, max_num_batched_tokens {}], got {}", s.max_num_batched_tokens, s.max_num_seqs),
+            ));
+        }
+        if s.max_num_batched_tokens > u32::MAX as usize / 2 {
+            return Err(setting("max_num_batched_tokens", "must fit in 31 bits"));
+        }
+        if s.max_model_len == 0 || s.max_model_len > cfg.max_position_embeddings {
+            return Err(setting(
+                "max_model_len",
+                format!(
+                    "must lie in [1, max_position_embeddings {}], got {}",
+                    cfg.max_position_embeddings, s.max_model_len
+                ),
+            ));
+        }
+        let bps_kv = s.max_model_len.div_ceil(KV_BLOCK_SIZE);
+        let bps_swa = s.max_model_len.div_ceil(SWA_BLOCK_SIZE);
+        let kv_blocks = s.kv_num_blocks.unwrap_or(s.max_num_seqs * bps_kv + 1);
+        if kv_blocks < 2 {
+            return Err(setting(
+                "kv_num_blocks",
+                format!("needs at least 2 blocks (one is the null block), got {kv_blocks}"),
+            ));
+        }
+        let kv = KvConfig {
+            swa_block_size: SWA_BLOCK_SIZE,
+            swa_num_blocks: (kv_blocks - 1) * (KV_BLOCK_SIZE / SWA_BLOCK_SIZE) + 1,
+            kv_block_size: KV_BLOCK_SIZE,
+            kv_num_blocks: kv_blocks,
+            max_blocks_per_seq_swa: bps_swa,
+            max_blocks_per_seq_kv: bps_kv,
+        };
+        let resolved = resolve(
+            s.graph_mode,
+            MODEL_CG_SUPPORT,
+            &ResolveContext {
+                backend: "holdfast ragged sparse MLA",
+                uniform_decode_query_len: 1,
+                attention_is_splitting_op: true,
+            },
+        )?;
+        let mut size_cfg =
+            CaptureSizeConfig::new(resolved.mode, s.max_num_seqs as u32, s.max_num_batched_tokens as u32);
+        size_cfg.capture_sizes = s.capture_sizes.clone();
+        size_cfg.max_capture_size = s.max_capture_size;
+        let sizes =
+            if resolved.mode == GraphMode::None { CaptureSizes::empty() } else { CaptureSizes::build(&size_cfg)? };
+        if let Some(&big) = sizes.sizes().iter().find(|&&z| z as usize > s.max_num_batched_tokens) {
+            return Err(setting(
+                "capture_sizes",
+                format!("size {big} exceeds max_num_batched_tokens {}", s.max_num_batched_tokens),
+            ));
+        }
+        let mut dispatcher = Dispatcher::new(DispatcherConfig {
+            capture_sizes: sizes,
+            max_num_seqs: s.max_num_seqs as u32,
+            lora: LoraConfig::Disabled,
+            attention_is_splitting_op: true,
+        })?;
+        dispatcher.initialize_keys(resolved.mode, 1)?;
+        let weights = Weights::load(dev, cfg, src)?;
+        let limits = ForwardLimits {
+            max_num_batched_tokens: s.max_num_batched_tokens,
+            max_num_seqs: s.max_num_seqs,
+            max_model_len: s.max_model_len,
+        };
+        let forward = ModelForward::new(dev, cfg, weights, limits, kv.swa_table(), kv.kv_table())?;
+        let arena = forward.arena().clone();
+        let runner = GraphRunner::new(forward, arena, &dispatcher, RunnerConfig::default())?;
+        Ok(ModelRunner { stream: dev.create_stream()?, runner, dispatcher, resolved, kv, settings: s.clone() })
+    }
+
+    /// The resolved graph mode and the downgrades applied to the configured one.
+    pub fn resolved(&self) -> &Resolved {
+        &self.resolved
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &RunnerSettings {
+        &self.settings
+    }
+
+    /// The shape of the KV caches (what a [`KvManager`] for this runner must use).
+    pub fn kv_config(&self) -> KvConfig {
+        self.kv
+    }
+
+    /// A scheduler over a fresh block manager for this runner's caches.
+    pub fn scheduler(&self) -> Result<Scheduler> {
+        let s = &self.settings;
+        Ok(Scheduler::new(
+            SchedulerConfig {
+                max_num_seqs: s.max_num_seqs,
+                max_num_batched_tokens: s.max_num_batched_tokens,
+                max_model_len: s.max_model_len,
+                long_prefill_token_threshold: s.long_prefill_token_threshold,
+            },
+            KvManager::new(self.kv)?,
+        )?)
+    }
+
+    /// The forward (weights, arena, caches).
+    pub fn forward(&self) -> &ModelForward {
+        self.runner.forward()
+    }
+
+    /// Graph counters.
+    pub fn stats(&self) -> RunnerStats {
+        self.runner.stats()
+    }
+
+    /// Dispatch counters.
+    pub fn dispatch_stats(&self) -> &DispatchStats {
+        self.dispatcher.stats()
+    }
+
+    /// Graph keys to capture, in capture order.
+    pub fn capture_order(&self) -> &[(RuntimeMode, BatchDescriptor)] {
+        self.runner.capture_order()
+    }
+
+    /// Captures every graph key (PIECEWISE first, largest first), calling
+    /// `progress(done, total, desc)` after each. Returns the seconds it took.
+    pub fn capture_all(&mut self, progress: impl FnMut(usize, usize, &BatchDescriptor)) -> Result<f64> {
+        let t0 = Instant::now();
+        self.runner.capture_all(&self.stream, progress)?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+
+    /// Runs one scheduled step: dispatch, stage, run or replay, and read the sampled tokens.
+    pub fn execute(&mut self, step: &Step) -> Result<StepResult> {
+        let t0 = Instant::now();
+        let n = step.num_tokens();
+        let limits = self.runner.forward().limits();
+        if n == 0 || n > limits.max_num_batched_tokens || step.num_reqs() > limits.max_num_seqs {
+            return Err(ModelError::Step(format!(
+                "a step of {n} tokens / {} requests; this runner takes 1 to {} tokens and at most {} requests",
+                step.num_reqs(),
+                limits.max_num_batched_tokens,
+                limits.max_num_seqs
+            )));
+        }
+        let d = self.dispatcher.dispatch_detailed(
+            n as u32,
+            step.is_uniform_decode(),
+            false,
+            0,
+            ModeSet::EMPTY,
+            ModeSet::EMPTY,
+        )?;
+        self.runner.forward_mut().set_step(step.clone());
+        self.runner.execute(&self.stream, d.mode, &d.descriptor)?;
+        let host_seconds = t0.elapsed().as_secs_f64();
+        let rows = step.num_sampling();
+        debug_assert!(rows <= sample_rows(d.descriptor.num_tokens as usize, limits.max_num_seqs));
+        let tokens = self.runner.forward().read_tokens(&self.stream, rows)?;
+        Ok(StepResult {
+            tokens,
+            mode: d.mode,
+            desc: d.descriptor,
+            fallback: d.fallback,
+            host_seconds,
+            total_seconds: t0.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// The logits `[rows, vocab]` of the last step's first `rows` sampling requests (syncs).
+    pub fn logits(&self, rows: usize) -> Result<Vec<f32>> {
+        self.runner.forward().read_logits(&self.stream, rows)
+    }
+
+    /// Runs `requests` to completion through a fresh scheduler with continuous batching and
+    /// chunked prefill; `on_step(step, result)` sees every step.
+    pub fn serve(
+        &mut self,
+        requests: Vec<Request>,
+        mut on_step: impl FnMut(&Step, &StepResult),
+    ) -> Result<ServeReport> {
+        let t0 = Instant::now();
+        let mut sched = self.scheduler()?;
+        for r in requests {
+            sched.add(r)?;
+        }
+        let mut rep = ServeReport::default();
+        while let Some(step) = sched.schedule()? {
+            let t = Instant::now();
+            let res = match self.execute(&step) {
+                Ok(r) => r,
+                Err(e) => {
+                    sched.abort_step();
+                    return Err(e);
+                }
+            };
+            on_step(&step, &res);
+            rep.steps += 1;
+            rep.tokens_processed += step.num_tokens() as u64;
+            rep.tokens_generated += res.tokens.len() as u64;
+            rep.steps_per_mode[res.mode as usize] += 1;
+            for Finished { id, tokens, .. } in sched.update(&step, &res.tokens)? {
+                rep.outputs.insert(id, tokens);
+            }
+            rep.step_seconds.push(t.elapsed().as_secs_f64());
+        }
+        rep.preemptions = sched.num_preemptions();
+        rep.seconds = t0.elapsed().as_secs_f64();
+        Ok(rep)
+    }
+}

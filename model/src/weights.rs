@@ -1,0 +1,314 @@
+//! Model weights on the device, filled from a [`WeightSource`].
+//!
+//! Every tensor has a name (`embed.weight`, `layers.3.attn.wq_b`, ...), a shape and a dtype
+//! (matrices and norm weights bf16, hyper-connection parameters and the other small vectors f32).
+//! [`SeededInit`] fills them deterministically from a seed with scales chosen so activations stay
+//! finite and logits are not degenerate; a checkpoint loader implements [`WeightSource`] too.
+
+use half::bf16;
+use holdfast_attention::LayerKind;
+use holdfast_hal::{Buffer, Device};
+use rayon::prelude::*;
+
+use crate::config::ModelConfig;
+use crate::error::{ModelError, Result};
+
+/// What a weight tensor holds, which decides its seeded initialisation.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Init {
+    /// Uniform with this standard deviation around 0 (projection matrices, embeddings).
+    Normal(f32),
+    /// `1 + noise` with this standard deviation (RMSNorm weights).
+    NearOne(f32),
+    /// Every element equal to the value.
+    Const(f32),
+    /// The `mhc_pre` bias `[n(n+2)]`: pre gates near `sigmoid(-1)`, post gates near 1 (after
+    /// `post_mult`), comb logits favouring the identity routing.
+    HcBase(usize),
+}
+
+/// A provider of weight values: called once per tensor with its name, shape and initialisation
+/// hint; it fills `out` (row-major, `shape.iter().product()` elements).
+pub trait WeightSource {
+    /// Fills a bf16 tensor.
+    fn fill_bf16(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [bf16]) -> Result<()>;
+    /// Fills an f32 tensor.
+    fn fill_f32(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [f32]) -> Result<()>;
+}
+
+/// Deterministic initialisation from a seed: each tensor's values depend only on the seed, the
+/// tensor's name and the element index (not on the order tensors are filled or on thread count).
+#[derive(Clone, Copy, Debug)]
+pub struct SeededInit {
+    /// The seed.
+    pub seed: u64,
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn name_hash(seed: u64, name: &str) -> u64 {
+    name.bytes().fold(splitmix(seed), |h, b| splitmix(h ^ u64::from(b)))
+}
+
+/// Uniform in `[-1, 1)` from a counter.
+fn unit(key: u64, i: u64) -> f32 {
+    let r = splitmix(key ^ i.wrapping_mul(0xD6E8_FEB8_6659_FD93));
+    ((r >> 40) as f32 / (1u64 << 23) as f32) - 1.0
+}
+
+const SQRT3: f32 = 1.732_050_8;
+
+impl SeededInit {
+    fn value(key: u64, i: usize, init: Init) -> f32 {
+        match init {
+            Init::Normal(std) => unit(key, i as u64) * std * SQRT3,
+            Init::NearOne(std) => 1.0 + unit(key, i as u64) * std * SQRT3,
+            Init::Const(v) => v,
+            Init::HcBase(n) => {
+                let noise = 0.1 * unit(key, i as u64);
+                if i < n {
+                    -1.0 + noise
+                } else if i < 2 * n {
+                    noise
+                } else {
+                    let (r, c) = ((i - 2 * n) / n, (i - 2 * n) % n);
+                    if r == c {
+                        2.0 + noise
+                    } else {
+                        noise
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl WeightSource for SeededInit {
+    fn fill_bf16(&mut self, name: &str, _shape: &[usize], init: Init, out: &mut [bf16]) -> Result<()> {
+        let key = name_hash(self.seed, name);
+        out.par_chunks_mut(1 << 16).enumerate().for_each(|(c, chunk)| {
+            for (j, o) in chunk.iter_mut().enumerate() {
+                *o = bf16::from_f32(Self::value(key, (c << 16) + j, init));
+            }
+        });
+        Ok(())
+    }
+
+    fn fill_f32(&mut self, name: &str, _shape: &[usize], init: Init, out: &mut [f32]) -> Result<()> {
+        let key = name_hash(self.seed, name);
+        out.par_chunks_mut(1 << 16).enumerate().for_each(|(c, chunk)| {
+            for (j, o) in chunk.iter_mut().enumerate() {
+                *o = Self::value(key, (c << 16) + j, init);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// The weights of one compressor (ratio 4 or 128): `wkv_gate [2·dim, H]` (KV then score
+/// projection), `ape [ratio, dim]` f32 positional score bias, `norm [dim]`.
+#[derive(Debug)]
+pub struct CompressorTensors {
+    /// `[2·dim, H]` bf16.
+    pub wkv_gate: Buffer<bf16>,
+    /// `[ratio, dim]` f32.
+    pub ape: Buffer<f32>,
+    /// `[dim]` bf16.
+    pub norm: Buffer<bf16>,
+}
+
+/// The c4a indexer's weights.
+#[derive(Debug)]
+pub struct IndexerTensors {
+    /// `wq [index_heads · index_head_dim, q_lora_rank]` bf16 (from the query latent).
+    pub wq: Buffer<bf16>,
+    /// `weights [index_heads, H]` bf16: per-head weights (the `index_heads^-1/2` scale folded in).
+    pub head_weights: Buffer<bf16>,
+    /// Its own ratio-4 compressor of `index_head_dim` entries.
+    pub compressor: CompressorTensors,
+}
+
+/// One `mhc_pre` parameter set (f32): `fn [n(n+2), n·H]`, `scale [3]`, `base [n(n+2)]`.
+#[derive(Debug)]
+pub struct HcTensors {
+    /// `[n(n+2), n·H]`.
+    pub hc_fn: Buffer<f32>,
+    /// `[3]`.
+    pub scale: Buffer<f32>,
+    /// `[n(n+2)]`.
+    pub base: Buffer<f32>,
+}
+
+/// One decoder layer's weights.
+#[derive(Debug)]
+pub struct LayerWeights {
+    /// Attention input RMSNorm `[H]`.
+    pub attn_norm: Buffer<bf16>,
+    /// `wq_a [q_lora_rank, H]`.
+    pub wq_a: Buffer<bf16>,
+    /// `q_norm [q_lora_rank]`.
+    pub q_norm: Buffer<bf16>,
+    /// `wq_b [heads · head_dim, q_lora_rank]`.
+    pub wq_b: Buffer<bf16>,
+    /// `wkv [head_dim, H]` (the latent KV, shared by every head).
+    pub wkv: Buffer<bf16>,
+    /// `kv_norm [head_dim]`.
+    pub kv_norm: Buffer<bf16>,
+    /// Per-head attention sink logits `[heads]` f32.
+    pub attn_sink: Buffer<f32>,
+    /// Grouped output projection `wo_a [o_groups, o_lora_rank, heads · head_dim / o_groups]`.
+    pub wo_a: Buffer<bf16>,
+    /// `wo_b [H, o_groups · o_lora_rank]`.
+    pub wo_b: Buffer<bf16>,
+    /// The compressed layers' KV compressor (ratio 4 or 128, `head_dim` entries).
+    pub compressor: Option<CompressorTensors>,
+    /// The c4a layers' indexer.
+    pub indexer: Option<IndexerTensors>,
+    /// Hyper-connection parameters before attention.
+    pub hc_attn: HcTensors,
+    /// Hyper-connection parameters before the FFN.
+    pub hc_ffn: HcTensors,
+    /// FFN input RMSNorm `[H]`.
+    pub ffn_norm: Buffer<bf16>,
+    /// `w13 [2·F, H]`: gate rows then up rows.
+    pub w13: Buffer<bf16>,
+    /// `w2 [H, F]`.
+    pub w2: Buffer<bf16>,
+}
+
+/// Every weight of the model, on one device.
+#[derive(Debug)]
+pub struct Weights {
+    /// `embed [vocab, H]`.
+    pub embed: Buffer<bf16>,
+    /// Per layer.
+    pub layers: Vec<LayerWeights>,
+    /// `hc_head_fn [n, n·H]` f32.
+    pub hc_head_fn: Buffer<f32>,
+    /// `hc_head_scale [1]` f32.
+    pub hc_head_scale: Buffer<f32>,
+    /// `hc_head_base [n]` f32.
+    pub hc_head_base: Buffer<f32>,
+    /// Final RMSNorm `[H]`.
+    pub norm: Buffer<bf16>,
+    /// LM head `[vocab, H]`.
+    pub head: Buffer<bf16>,
+    /// Bytes on the device.
+    pub bytes: usize,
+}
+
+struct Loader<'a> {
+    dev: &'a Device,
+    src: &'a mut dyn WeightSource,
+    bytes: usize,
+}
+
+impl Loader<'_> {
+    fn bf16(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Buffer<bf16>> {
+        let n: usize = shape.iter().product();
+        let mut host = vec![bf16::ZERO; n];
+        self.src.fill_bf16(name, shape, init, &mut host)?;
+        if let Some(i) = host.iter().position(|v| !v.is_finite()) {
+            return Err(ModelError::Step(format!("weight {name}: element {i} is not finite")));
+        }
+        self.bytes += n * 2;
+        Ok(self.dev.alloc_from_slice(name, &host, true)?)
+    }
+
+    fn f32(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Buffer<f32>> {
+        let n: usize = shape.iter().product();
+        let mut host = vec![0.0f32; n];
+        self.src.fill_f32(name, shape, init, &mut host)?;
+        if let Some(i) = host.iter().position(|v| !v.is_finite()) {
+            return Err(ModelError::Step(format!("weight {name}: element {i} is not finite")));
+        }
+        self.bytes += n * 4;
+        Ok(self.dev.alloc_from_slice(name, &host, true)?)
+    }
+
+    fn compressor(&mut self, p: &str, ratio: usize, dim: usize, h: usize) -> Result<CompressorTensors> {
+        Ok(CompressorTensors {
+            wkv_gate: self.bf16(&format!("{p}.wkv_gate"), &[2 * dim, h], Init::Normal(fan_in(h)))?,
+            ape: self.f32(&format!("{p}.ape"), &[ratio, dim], Init::Normal(0.5))?,
+            norm: self.bf16(&format!("{p}.norm"), &[dim], Init::NearOne(0.05))?,
+        })
+    }
+
+    fn hc(&mut self, p: &str, n: usize, h: usize) -> Result<HcTensors> {
+        let m3 = n * (n + 2);
+        Ok(HcTensors {
+            hc_fn: self.f32(&format!("{p}.fn"), &[m3, n * h], Init::Normal(fan_in(n * h)))?,
+            scale: self.f32(&format!("{p}.scale"), &[3], Init::Const(0.5))?,
+            base: self.f32(&format!("{p}.base"), &[m3], Init::HcBase(n))?,
+        })
+    }
+}
+
+fn fan_in(k: usize) -> f32 {
+    1.0 / (k as f32).sqrt()
+}
+
+impl Weights {
+    /// Allocates and fills every tensor of `cfg` on `dev` (persistent buffers: graphs read them).
+    pub fn load(dev: &Device, cfg: &ModelConfig, src: &mut dyn WeightSource) -> Result<Self> {
+        cfg.validate()?;
+        let (h, v, d, heads) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads);
+        let (n, q, f, g, r) = (cfg.hc_mult, cfg.q_lora_rank, cfg.moe_intermediate_size, cfg.o_groups, cfg.o_lora_rank);
+        let mut ld = Loader { dev, src, bytes: 0 };
+        let embed = ld.bf16("embed.weight", &[v, h], Init::Normal(1.0))?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for l in 0..cfg.num_hidden_layers {
+            let p = format!("layers.{l}");
+            let kind = cfg.layer_kind(l);
+            let compressor = match kind {
+                LayerKind::SwaOnly => None,
+                _ => Some(ld.compressor(&format!("{p}.attn.compressor"), cfg.ratio(l), d, h)?),
+            };
+            let indexer = if kind == LayerKind::C4a {
+                let (ih, id) = (cfg.index_n_heads, cfg.index_head_dim);
+                Some(IndexerTensors {
+                    wq: ld.bf16(&format!("{p}.attn.indexer.wq"), &[ih * id, q], Init::Normal(fan_in(q)))?,
+                    head_weights: ld.bf16(
+                        &format!("{p}.attn.indexer.weights"),
+                        &[ih, h],
+                        Init::Normal(fan_in(h) / (ih as f32).sqrt()),
+                    )?,
+                    compressor: ld.compressor(&format!("{p}.attn.indexer.compressor"), 4, id, h)?,
+                })
+            } else {
+                None
+            };
+            let wo_in = heads * d / g;
+            layers.push(LayerWeights {
+                attn_norm: ld.bf16(&format!("{p}.attn_norm"), &[h], Init::NearOne(0.05))?,
+                wq_a: ld.bf16(&format!("{p}.attn.wq_a"), &[q, h], Init::Normal(fan_in(h)))?,
+                q_norm: ld.bf16(&format!("{p}.attn.q_norm"), &[q], Init::NearOne(0.05))?,
+                wq_b: ld.bf16(&format!("{p}.attn.wq_b"), &[heads * d, q], Init::Normal(fan_in(q)))?,
+                wkv: ld.bf16(&format!("{p}.attn.wkv"), &[d, h], Init::Normal(fan_in(h)))?,
+                kv_norm: ld.bf16(&format!("{p}.attn.kv_norm"), &[d], Init::NearOne(0.05))?,
+                attn_sink: ld.f32(&format!("{p}.attn.sink"), &[heads], Init::Normal(1.0))?,
+                wo_a: ld.bf16(&format!("{p}.attn.wo_a"), &[g, r, wo_in], Init::Normal(fan_in(wo_in)))?,
+                wo_b: ld.bf16(&format!("{p}.attn.wo_b"), &[h, g * r], Init::Normal(0.5 * fan_in(g * r)))?,
+                compressor,
+                indexer,
+                hc_attn: ld.hc(&format!("{p}.hc_attn"), n, h)?,
+                hc_ffn: ld.hc(&format!("{p}.hc_ffn"), n, h)?,
+                ffn_norm: ld.bf16(&format!("{p}.ffn_norm"), &[h], Init::NearOne(0.05))?,
+                w13: ld.bf16(&format!("{p}.ffn.w13"), &[2 * f, h], Init::Normal(fan_in(h)))?,
+                w2: ld.bf16(&format!("{p}.ffn.w2"), &[h, f], Init::Normal(0.5 * fan_in(f)))?,
+            });
+        }
+        let hc_head_fn = ld.f32("hc_head.fn", &[n, n * h], Init::Normal(fan_in(n * h)))?;
+        let hc_head_scale = ld.f32("hc_head.scale", &[1], Init::Const(0.5))?;
+        let hc_head_base = ld.f32("hc_head.base", &[n], Init::Normal(0.1))?;
+        let norm = ld.bf16("norm.weight", &[h], Init::NearOne(0.05))?;
+        let head = ld.bf16("head.weight", &[v, h], Init::Normal(fan_in(h) * 4.0))?;
+        let bytes = ld.bytes;
+        Ok(Weights { embed, layers, hc_head_fn, hc_head_scale, hc_head_base, norm, head, bytes })
+    }
+}
