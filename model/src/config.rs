@@ -338,7 +338,7 @@ impl ModelConfig {
                 return Err(err(field, format!("must be a finite RoPE base above 1, got {v}")));
             }
         }
-        if !(self.swiglu_limit > 0.0) {
+        if self.swiglu_limit.is_nan() || self.swiglu_limit <= 0.0 {
             return Err(err(
                 "swiglu_limit",
                 format!("must be positive (or infinite to disable), got {}", self.swiglu_limit),

@@ -185,6 +185,15 @@ impl ModelRunner {
                 attention_is_splitting_op: true,
             },
         )?;
+        if let Some(&big) = s.capture_sizes.iter().flatten().find(|&&z| z as usize > s.max_num_batched_tokens) {
+            return Err(setting(
+                "capture_sizes",
+                format!(
+                    "size {big} exceeds max_num_batched_tokens {}: a graph can never serve more tokens than a step holds",
+                    s.max_num_batched_tokens
+                ),
+            ));
+        }
         let mut size_cfg =
             CaptureSizeConfig::new(resolved.mode, s.max_num_seqs as u32, s.max_num_batched_tokens as u32);
         size_cfg.capture_sizes = s.capture_sizes.clone();

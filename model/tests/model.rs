@@ -1,0 +1,258 @@
+//! End-to-end tests of the `tiny` model: configuration errors, bit-identical steps across the five
+//! graph modes, batch invariance across concurrency and prefill chunking, and the runner's input
+//! checks. On the CPU backend always; the CPU-vs-cuda logits comparison runs with `--features cuda`.
+
+use std::collections::BTreeMap;
+
+use holdfast_graph::{GraphMode, RuntimeMode};
+use holdfast_hal::Device;
+use holdfast_model::scheduler::Request;
+use holdfast_model::{ModelConfig, ModelError, ModelRunner, RunnerSettings};
+
+fn settings(mode: GraphMode) -> RunnerSettings {
+    RunnerSettings {
+        graph_mode: mode,
+        max_num_seqs: 8,
+        max_num_batched_tokens: 64,
+        max_model_len: 512,
+        capture_sizes: Some(vec![1, 2, 4, 8, 16, 32, 48, 64]),
+        seed: 7,
+        ..Default::default()
+    }
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Requests with prompts from 1 to `max_prompt` tokens (some past the 128-token c128a window).
+fn workload(seed: u64, n: usize, max_prompt: u64, vocab: u64) -> Vec<Request> {
+    let mut rng = Rng(seed | 1);
+    (0..n as u64)
+        .map(|id| {
+            let len = 1 + rng.below(max_prompt) as usize;
+            Request {
+                id,
+                prompt: (0..len).map(|_| rng.below(vocab) as i32).collect(),
+                max_new_tokens: 1 + rng.below(12) as usize,
+            }
+        })
+        .collect()
+}
+
+/// One run's record: per step the sampled tokens, the logits' bits and the mode; per request
+/// the generated tokens.
+#[derive(Debug, Default)]
+struct Record {
+    steps: Vec<(Vec<i32>, Vec<u32>)>,
+    modes: [u64; 3],
+    outputs: BTreeMap<u64, Vec<i32>>,
+}
+
+fn run(dev: &Device, cfg: &ModelConfig, s: &RunnerSettings, requests: Vec<Request>, keep_logits: bool) -> Record {
+    let mut runner = ModelRunner::new(dev, cfg, s).expect("runner");
+    runner.capture_all(|_, _, _| {}).expect("capture");
+    let mut sched = runner.scheduler().expect("scheduler");
+    for r in requests {
+        sched.add(r).expect("add");
+    }
+    let mut rec = Record::default();
+    while let Some(step) = sched.schedule().expect("schedule") {
+        let res = runner.execute(&step).expect("execute");
+        rec.modes[res.mode as usize] += 1;
+        let logits = if keep_logits {
+            runner.logits(res.tokens.len()).expect("logits").iter().map(|v| v.to_bits()).collect()
+        } else {
+            Vec::new()
+        };
+        assert!(logits.iter().all(|&b| f32::from_bits(b).is_finite()), "non-finite logits");
+        rec.steps.push((res.tokens.clone(), logits));
+        for f in sched.update(&step, &res.tokens).expect("update") {
+            assert_eq!(f.tokens.len(), f.tokens.capacity().min(f.tokens.len()));
+            rec.outputs.insert(f.id, f.tokens);
+        }
+    }
+    rec
+}
+
+const MODES: [GraphMode; 5] =
+    [GraphMode::None, GraphMode::Piecewise, GraphMode::Full, GraphMode::FullDecodeOnly, GraphMode::FullAndPiecewise];
+
+fn every_mode_gives_the_same_bits(dev: &Device) {
+    let cfg = ModelConfig::tiny();
+    let reqs = workload(11, 12, 300, cfg.vocab_size as u64);
+    let runs: Vec<(GraphMode, Record)> =
+        MODES.iter().map(|&m| (m, run(dev, &cfg, &settings(m), reqs.clone(), true))).collect();
+    let (_, base) = &runs[0];
+    assert_eq!(base.outputs.len(), 12);
+    for (r, req) in reqs.iter().enumerate() {
+        assert_eq!(base.outputs[&(r as u64)].len(), req.max_new_tokens);
+    }
+    // The sampled tokens are not degenerate: several distinct values.
+    let distinct: std::collections::BTreeSet<i32> = base.outputs.values().flatten().copied().collect();
+    assert!(distinct.len() > 10, "only {} distinct tokens", distinct.len());
+    for (mode, rec) in &runs[1..] {
+        assert_eq!(rec.steps.len(), base.steps.len(), "{mode}: step count");
+        for (i, (a, b)) in base.steps.iter().zip(&rec.steps).enumerate() {
+            assert_eq!(a.0, b.0, "{mode}: step {i} tokens");
+            assert!(a.1 == b.1, "{mode}: step {i} logits differ from eager");
+        }
+        assert_eq!(rec.outputs, base.outputs, "{mode}: outputs");
+    }
+    // Each mode ran the way it should.
+    let by_mode: BTreeMap<String, [u64; 3]> = runs.iter().map(|(m, r)| (m.to_string(), r.modes)).collect();
+    let (none, pw, full) = (RuntimeMode::None as usize, RuntimeMode::Piecewise as usize, RuntimeMode::Full as usize);
+    let get = |m: GraphMode| by_mode[&m.to_string()];
+    assert_eq!(get(GraphMode::None)[pw] + get(GraphMode::None)[full], 0);
+    assert_eq!(get(GraphMode::Piecewise)[none] + get(GraphMode::Piecewise)[full], 0, "{by_mode:?}");
+    assert_eq!(get(GraphMode::Full)[none] + get(GraphMode::Full)[pw], 0, "{by_mode:?}");
+    assert!(get(GraphMode::FullDecodeOnly)[full] > 0 && get(GraphMode::FullDecodeOnly)[none] > 0, "{by_mode:?}");
+    assert_eq!(get(GraphMode::FullDecodeOnly)[pw], 0);
+    let fp = get(GraphMode::FullAndPiecewise);
+    assert!(fp[full] > 0 && fp[pw] > 0 && fp[none] == 0, "{by_mode:?}");
+}
+
+fn tokens_do_not_depend_on_concurrency(dev: &Device) {
+    let cfg = ModelConfig::tiny();
+    let mut s = settings(GraphMode::FullAndPiecewise);
+    s.max_num_seqs = 16;
+    let others = workload(23, 64, 200, cfg.vocab_size as u64);
+    let probes = [
+        Request { id: 1000, prompt: (0..150).map(|i| (i * 31 % 256) as i32).collect(), max_new_tokens: 10 },
+        Request { id: 1001, prompt: vec![5], max_new_tokens: 6 },
+    ];
+    for probe in probes {
+        let alone = run(dev, &cfg, &s, vec![probe.clone()], false).outputs[&probe.id].clone();
+        assert_eq!(alone.len(), probe.max_new_tokens);
+        for n in [8, 64] {
+            let mut reqs: Vec<Request> = others[..n].to_vec();
+            reqs.insert(n / 2, probe.clone());
+            let rec = run(dev, &cfg, &s, reqs, false);
+            assert_eq!(rec.outputs[&probe.id], alone, "request {} among {n} others", probe.id);
+        }
+    }
+}
+
+fn tokens_do_not_depend_on_prefill_chunking(dev: &Device) {
+    let cfg = ModelConfig::tiny();
+    let reqs = workload(5, 4, 400, cfg.vocab_size as u64);
+    let whole = run(dev, &cfg, &settings(GraphMode::FullAndPiecewise), reqs.clone(), false);
+    let mut s = settings(GraphMode::FullAndPiecewise);
+    s.long_prefill_token_threshold = 7;
+    let chunked = run(dev, &cfg, &s, reqs, false);
+    assert!(chunked.steps.len() > whole.steps.len());
+    assert_eq!(chunked.outputs, whole.outputs);
+}
+
+fn bad_inputs_are_errors(dev: &Device) {
+    let cfg = ModelConfig::tiny();
+    let mut s = settings(GraphMode::Full);
+    s.capture_sizes = Some(vec![1, 128]);
+    let e = ModelRunner::new(dev, &cfg, &s).expect_err("capture size above the token budget");
+    assert!(e.to_string().contains("128"), "{e}");
+    let mut s = settings(GraphMode::Full);
+    s.max_num_seqs = 0;
+    let e = ModelRunner::new(dev, &cfg, &s).expect_err("max_num_seqs 0");
+    assert!(matches!(e, ModelError::Setting { setting: "max_num_seqs", .. }), "{e}");
+    let mut s = settings(GraphMode::Full);
+    s.max_model_len = cfg.max_position_embeddings + 1;
+    assert!(matches!(ModelRunner::new(dev, &cfg, &s), Err(ModelError::Setting { setting: "max_model_len", .. })));
+
+    // A step larger than the runner was built for is refused before anything runs.
+    let mut runner = ModelRunner::new(dev, &cfg, &settings(GraphMode::None)).expect("runner");
+    let mut big = RunnerSettings { max_num_batched_tokens: 128, max_num_seqs: 8, ..settings(GraphMode::None) };
+    big.capture_sizes = None;
+    let other = ModelRunner::new(dev, &cfg, &big).expect("bigger runner");
+    let mut sched = other.scheduler().expect("scheduler");
+    sched.add(Request { id: 1, prompt: vec![1; 100], max_new_tokens: 1 }).expect("add");
+    let step = sched.schedule().expect("schedule").expect("a step");
+    let e = runner.execute(&step).expect_err("100 tokens into a 64-token runner");
+    assert!(e.to_string().contains("100 tokens"), "{e}");
+
+    // An out-of-vocabulary token id is the scheduler's to refuse; a negative one is refused.
+    let mut sched = runner.scheduler().expect("scheduler");
+    assert!(sched.add(Request { id: 2, prompt: vec![-3], max_new_tokens: 1 }).is_err());
+}
+
+holdfast_hal::device_suite!(
+    every_mode_gives_the_same_bits,
+    tokens_do_not_depend_on_concurrency,
+    tokens_do_not_depend_on_prefill_chunking,
+    bad_inputs_are_errors
+);
+
+#[test]
+fn config_errors_name_the_field() {
+    let tiny = ModelConfig::tiny();
+    assert_eq!(ModelConfig::from_json(&tiny.to_json()).expect("round trip"), tiny);
+    let edit = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut v: serde_json::Value = serde_json::from_str(&tiny.to_json()).expect("json");
+        f(&mut v);
+        ModelConfig::from_json(&v.to_string()).expect_err("must be rejected").to_string()
+    };
+    let e = edit(&|v| v["compress_ratios"] = serde_json::json!([0, 4]));
+    assert!(e.contains("compress_ratios") && e.contains("num_hidden_layers (4)"), "{e}");
+    let e = edit(&|v| v["compress_ratios"] = serde_json::json!([0, 8, 128, 0]));
+    assert!(e.contains("layer 1: ratio 8") && e.contains("allowed"), "{e}");
+    let e = edit(&|v| v["hc_mult"] = serde_json::json!(0));
+    assert!(e.contains("hc_mult"), "{e}");
+    let e = edit(&|v| v["sliding_window"] = serde_json::json!(0));
+    assert!(e.contains("sliding_window"), "{e}");
+    let e = edit(&|v| v["head_dim"] = serde_json::json!(100));
+    assert!(e.contains("head_dim"), "{e}");
+    let e = edit(&|v| v["o_groups"] = serde_json::json!(3));
+    assert!(e.contains("o_groups"), "{e}");
+    let e = edit(&|v| {
+        v.as_object_mut().expect("object").remove("vocab_size");
+    });
+    assert!(e.contains("vocab_size"), "{e}");
+    let e = ModelConfig::from_json("{ not json").expect_err("malformed").to_string();
+    assert!(e.contains("config.json"), "{e}");
+    assert!(ModelConfig::preset("huge").expect_err("unknown").to_string().contains("tiny, flash-slice, pro-slice"));
+    // The published configs' extra fields are accepted.
+    let mut v: serde_json::Value = serde_json::from_str(&tiny.to_json()).expect("json");
+    v["n_routed_experts"] = serde_json::json!(256);
+    v["rope_scaling"] = serde_json::json!({"type": "yarn", "factor": 16});
+    assert_eq!(ModelConfig::from_json(&v.to_string()).expect("extra fields"), tiny);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cpu_and_cuda_logits_agree_on_the_first_step() {
+    let gpu = match Device::open("cuda:0") {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: cuda:0 is not usable here ({e})");
+            return;
+        }
+    };
+    let cpu = Device::cpu().expect("cpu");
+    let cfg = ModelConfig::tiny();
+    let reqs = workload(3, 6, 200, cfg.vocab_size as u64);
+    let first = |dev: &Device| {
+        let mut runner = ModelRunner::new(dev, &cfg, &settings(GraphMode::None)).expect("runner");
+        let mut sched = runner.scheduler().expect("scheduler");
+        for r in reqs.clone() {
+            sched.add(r).expect("add");
+        }
+        let step = sched.schedule().expect("schedule").expect("step");
+        let res = runner.execute(&step).expect("execute");
+        runner.logits(res.tokens.len()).expect("logits")
+    };
+    let (a, b) = (first(&cpu), first(&gpu));
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    let den: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
+    let rel = (num / den).sqrt();
+    println!("first-step logits, cpu vs cuda: relative L2 {rel:.3e} over {} values", a.len());
+    assert!(rel <= 2e-2, "relative L2 {rel}");
+}
