@@ -42,7 +42,8 @@ struct Plan {
     /// Graph keys in capture order, per runtime mode (`FULL`, `PIECEWISE`).
     keys: std::collections::BTreeMap<&'static str, Vec<Key>>,
     arena_bytes: u64,
-    workspace_bytes: u64,
+    /// The shared workspace inside the arena, when the forward allocates one.
+    workspace_bytes: Option<u64>,
     weight_bytes: u64,
     cache_bytes: u64,
 }
@@ -90,7 +91,7 @@ pub fn run(a: &PlanArgs) -> Result<ExitCode, CliError> {
         capture_sizes,
         keys,
         arena_bytes: arena.total_bytes() as u64,
-        workspace_bytes: arena.bytes(WORKSPACE).unwrap_or(0) as u64,
+        workspace_bytes: arena.bytes(WORKSPACE).ok().map(|b| b as u64),
         weight_bytes: runner.forward().weights().bytes as u64,
         cache_bytes: runner.forward().cache_bytes() as u64,
     };
@@ -144,11 +145,17 @@ fn render(p: &Plan) -> String {
         let cell = if keys.is_empty() { "none".to_owned() } else { format!("{} ({what})", sizes(keys)) };
         rows.push(vec![format!("{} keys ({})", mode.as_str(), keys.len()), cell]);
     }
-    rows.push(vec![
-        "arena".to_owned(),
-        format!("{} (workspace {})", table::bytes(p.arena_bytes), table::bytes(p.workspace_bytes)),
-    ]);
+    let arena = match p.workspace_bytes {
+        Some(w) => format!("{} (workspace {})", table::bytes(p.arena_bytes), table::bytes(w)),
+        None => table::bytes(p.arena_bytes),
+    };
+    rows.push(vec!["arena (graph-visible buffers)".to_owned(), arena]);
     rows.push(vec!["weights".to_owned(), table::bytes(p.weight_bytes)]);
     rows.push(vec!["KV caches".to_owned(), table::bytes(p.cache_bytes)]);
-    table::render(&["holdfast plan".to_owned(), String::new()], &rows)
+    let width = rows.iter().map(|r| r[0].chars().count()).max().unwrap_or(0);
+    let mut out = String::from("holdfast plan\n");
+    for r in &rows {
+        out.push_str(&format!("  {:<width$}  {}\n", r[0], r[1]));
+    }
+    out
 }

@@ -1,0 +1,122 @@
+//! The `holdfast` binary end to end: exit codes, the verdict, the plan's JSON, and one clear error
+//! line for bad options and configs.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn holdfast(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_holdfast")).args(args).output().expect("the holdfast binary runs")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A fresh directory under the system temp dir, unique to this test.
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("holdfast-cli-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Exit code 2 and a single `error:` line on stderr that contains every `needle`.
+fn assert_usage_error(out: &Output, needles: &[&str]) {
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {err}");
+    let first = err.lines().next().unwrap_or_default();
+    assert!(first.starts_with("error:"), "stderr: {err}");
+    for n in needles {
+        assert!(first.contains(n), "`{n}` not named in: {first}");
+    }
+}
+
+#[test]
+fn simulate_16_requests_gives_identical_tokens_in_every_mode() {
+    let json = temp_dir("simulate").join("report.json");
+    let json_arg = json.to_str().expect("utf-8 path");
+    let out = holdfast(&["simulate", "--requests", "16", "--quiet", "--json", json_arg]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "stdout: {stdout}\nstderr: {}", text(&out.stderr));
+    assert!(stdout.lines().any(|l| l.starts_with("verdict: identical tokens across 5 modes")), "{stdout}");
+    for mode in ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"] {
+        assert!(stdout.contains(mode), "{mode} missing from the table:\n{stdout}");
+    }
+
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("report written")).expect("report is JSON");
+    assert_eq!(report["verdict"]["identical"], true);
+    assert_eq!(report["verdict"]["requests"], 16);
+    let modes = report["modes"].as_array().expect("modes");
+    assert_eq!(modes.len(), 5);
+    let digest = &modes[0]["tokens_digest"];
+    for m in modes {
+        assert_eq!(&m["tokens_digest"], digest, "{}", m["mode"]);
+        assert_eq!(m["steps"], modes[0]["steps"], "the same stream gives the same batches");
+        assert_eq!(m["recaptures"], 0);
+    }
+    let none = &modes[0];
+    assert_eq!(none["mode"], "NONE");
+    assert_eq!(none["graphs_captured"], 0);
+    assert_eq!(none["eager_steps"], none["steps"]);
+    let fp = &modes[4];
+    assert_eq!(fp["mode"], "FULL_AND_PIECEWISE");
+    assert!(fp["full_steps"].as_u64().is_some_and(|n| n > 0), "decode steps replay FULL graphs");
+}
+
+#[test]
+fn plan_json_for_256_seqs_and_8192_tokens_lists_51_sizes_ending_at_512() {
+    let out = holdfast(&["plan", "--json", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192"]);
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).expect("plan is JSON");
+    let sizes: Vec<u64> =
+        plan["capture_sizes"].as_array().expect("sizes").iter().filter_map(serde_json::Value::as_u64).collect();
+    assert_eq!(sizes.len(), 51);
+    assert_eq!(sizes.first(), Some(&1));
+    assert_eq!(sizes.last(), Some(&512));
+    assert_eq!(plan["resolved_mode"], "FULL_AND_PIECEWISE");
+    assert_eq!(plan["keys"]["PIECEWISE"].as_array().map(Vec::len), Some(51));
+    assert!(plan["arena_bytes"].as_u64().is_some_and(|b| b > 0));
+    assert!(plan["weight_bytes"].as_u64().is_some_and(|b| b > 0));
+    assert!(plan["cache_bytes"].as_u64().is_some_and(|b| b > 0));
+}
+
+#[test]
+fn an_unknown_flag_is_a_usage_error() {
+    assert_usage_error(&holdfast(&["simulate", "--bogus-flag"]), &["--bogus-flag"]);
+    assert_usage_error(&holdfast(&["plan", "--mode", "fully"]), &["fully"]);
+}
+
+#[test]
+fn a_malformed_config_file_is_a_usage_error_naming_it() {
+    let dir = temp_dir("config");
+    let truncated = dir.join("truncated.json");
+    std::fs::write(&truncated, "{\"hidden_size\": 64,").expect("write config");
+    let path = truncated.to_str().expect("utf-8 path");
+    assert_usage_error(&holdfast(&["plan", "--config", path]), &["config.json", path]);
+
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&holdfast_model::ModelConfig::tiny().to_json()).expect("json");
+    cfg["hc_mult"] = 3.into();
+    let inconsistent = dir.join("hc_mult.json");
+    std::fs::write(&inconsistent, cfg.to_string()).expect("write config");
+    let path = inconsistent.to_str().expect("utf-8 path");
+    assert_usage_error(&holdfast(&["simulate", "--config", path, "--requests", "1"]), &["hc_mult", path]);
+}
+
+#[test]
+fn an_impossible_capture_size_is_a_usage_error() {
+    assert_usage_error(
+        &holdfast(&["plan", "--max-num-batched-tokens", "64", "--capture-sizes", "1,2,4096"]),
+        &["capture_sizes", "4096"],
+    );
+    assert_usage_error(&holdfast(&["simulate", "--capture-sizes", "0", "--quiet"]), &["capture_sizes"]);
+}
+
+#[test]
+fn an_unusable_backend_or_workload_is_a_usage_error() {
+    assert_usage_error(&holdfast(&["plan", "--backend", "tpu:0"]), &["tpu:0"]);
+    assert_usage_error(
+        &holdfast(&["simulate", "--prompt-len", "500", "--max-model-len", "256", "--quiet"]),
+        &["--max-model-len"],
+    );
+}
