@@ -120,3 +120,27 @@ fn an_unusable_backend_or_workload_is_a_usage_error() {
         &["--max-model-len"],
     );
 }
+
+#[test]
+fn tokens_do_not_depend_on_arrivals_concurrency_or_token_budget() {
+    let dir = temp_dir("arrivals");
+    let runs: [&[&str]; 2] = [
+        &["--modes", "none", "--arrival-rate", "0", "--concurrency", "1"],
+        &["--modes", "full_and_piecewise", "--arrival-rate", "4", "--max-num-batched-tokens", "48"],
+    ];
+    let digests: Vec<serde_json::Value> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, extra)| {
+            let json = dir.join(format!("run{i}.json"));
+            let mut args = vec!["simulate", "--requests", "8", "--quiet", "--json", json.to_str().expect("utf-8 path")];
+            args.extend_from_slice(extra);
+            let out = holdfast(&args);
+            assert_eq!(out.status.code(), Some(0), "stderr: {}", text(&out.stderr));
+            let report: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&json).expect("report")).expect("JSON");
+            report["modes"][0]["tokens_digest"].clone()
+        })
+        .collect();
+    assert_eq!(digests[0], digests[1]);
+}

@@ -43,12 +43,15 @@ impl Rng {
 /// `[0, vocab)`, arriving as a Poisson process of `rate` requests per step (all at step 0 when
 /// `rate` is 0).
 pub fn requests(seed: u64, n: usize, prompt: LenRange, output: LenRange, vocab: usize, rate: f64) -> Vec<Arrival> {
+    // Separate streams: the requests' contents do not depend on the arrival pattern, so runs with
+    // different rates or concurrency serve the same requests.
     let mut rng = Rng(seed ^ 0x686F_6C64_6661_7374);
+    let mut gaps = Rng(!seed ^ 0x6172_7269_7661_6C73);
     let mut clock = 0.0f64;
     (0..n as u64)
         .map(|id| {
             if rate > 0.0 && id > 0 {
-                clock += -(1.0 - rng.unit()).ln() / rate;
+                clock += -(1.0 - gaps.unit()).ln() / rate;
             }
             let len = rng.range(prompt.min, prompt.max);
             let prompt = (0..len).map(|_| rng.range(0, vocab - 1) as i32).collect();
