@@ -127,7 +127,7 @@ fn tokens_do_not_depend_on_concurrency(dev: &Device) {
     s.max_num_seqs = 16;
     let others = workload(23, 64, 200, cfg.vocab_size as u64);
     let probes = [
-        Request { id: 1000, prompt: (0..150).map(|i| (i * 31 % 256) as i32).collect(), max_new_tokens: 10 },
+        Request { id: 1000, prompt: (0..150).map(|i: i32| i * 31 % 256).collect(), max_new_tokens: 10 },
         Request { id: 1001, prompt: vec![5], max_new_tokens: 6 },
     ];
     for probe in probes {
