@@ -1,7 +1,8 @@
-// holdfast dense ops: tiled bf16 matmul (bf16 or f32 out), RMSNorm, RoPE, SwiGLU, embedding
-// lookup, argmax, row repeat. CUDA C that is also valid HIP; only the portability header's
-// primitives are used. Every reduction has one fixed order, independent of how many rows share a
-// launch, so results are batch-invariant; the CPU references in dense_source.rs follow the same
+// holdfast dense ops: bf16 matmul (a tiled kernel, and a small-t kernel for decode steps; bf16 or
+// f32 out), RMSNorm, RoPE, SwiGLU, embedding lookup, argmax, row repeat. CUDA C that is also
+// valid HIP; only the portability header's primitives are used. Every reduction has one fixed
+// order, independent of how many rows share a launch or which matmul kernel runs, so results are
+// batch-invariant; the CPU references in dense_source.rs follow the same
 // orders (matmul, rms_norm, argmax exactly; rope and swiglu use libm and match within ulps).
 
 struct alignas(16) hf_f4 { float v[4]; };
@@ -115,6 +116,200 @@ hf_matmul_bf16(const hf_bf16* x, const hf_bf16* w, hf_bf16* y, uint32_t t, uint3
 HF_KERNEL void __launch_bounds__(HF_MM_THREADS)
 hf_matmul_f32(const hf_bf16* x, const hf_bf16* w, float* y, uint32_t t, uint32_t n, uint32_t k, uint32_t groups) {
     hf_matmul_body<float>(x, w, y, t, n, k, groups);
+}
+
+// ---- small-t matmul (decode steps): t <= HF_MV_MAX_T rows per pass ------------------------------
+// The tiled kernel above always computes a 32-row tile, so at t = 1..8 it issues up to 32x the
+// FMAs it needs and is compute-bound. This kernel is built for weight bandwidth instead. Grid
+// (ceil(n / HF_MV_BN), 1, groups), HF_MV_THREADS = HF_MV_BN threads: thread i owns output column
+// c = n0 + i and keeps the chains of that column for every row (up to 8) in registers. The block
+// streams the w rows of its slab through shared memory HF_MV_BK k at a time:
+// - k % 8 == 0 and w 16-byte aligned (the usual case): each thread issues eight 16-byte loads per
+//   chunk (a warp reads four whole 128-byte row segments), and the loads of chunk j + 1 are in
+//   flight while chunk j is computed (register double buffering);
+// - otherwise element loads, coalesced along k, no prefetch.
+// w stays bf16 in shared memory, rows padded to 144 bytes so that each thread's 16-byte reads of its
+// own row are bank-conflict-free; x is staged as f32, k-major, 8 floats per k, so a k step reads the
+// row values with one or two broadcast 16-byte loads. More than 8 rows (never launched so by the
+// host, but correct) run as passes of 8 over the slab.
+// Summation order: exactly the tiled kernel's, acc = 0 then acc = fmaf(x[k], w[k], acc) for
+// k = 0, 1, ..., K - 1 (a partial chunk runs only its valid k), the same bf16 -> f32 conversion
+// and the same final store, so both kernels (and the CPU reference) give the same bits.
+#define HF_MV_MAX_T 8
+#define HF_MV_BN 128
+#define HF_MV_THREADS 128
+#define HF_MV_BK 64
+#define HF_MV_WPITCH (HF_MV_BK + 8)  // bf16 per shared w row: 144 bytes
+#define HF_MV_XROWS (HF_MV_THREADS / HF_MV_BK)  // x rows one loader pass covers
+static_assert(HF_MV_THREADS == HF_MV_BN, "one output column per thread");
+static_assert(HF_MV_BN * HF_MV_BK / 8 == 8 * HF_MV_THREADS, "eight 16-byte w pieces per thread");
+static_assert(HF_MV_XROWS * 4 == HF_MV_MAX_T, "four x values per thread");
+
+// One k step of every row chain: acc[r] = fmaf(x[r][k], w[k], acc[r]).
+template <int T>
+__device__ __forceinline__ void hf_mv_step(const float* xk, float wv, float (&acc)[T]) {
+    const hf_f4 a = *reinterpret_cast<const hf_f4*>(xk);
+#pragma unroll
+    for (int r = 0; r < T && r < 4; ++r) acc[r] = fmaf(a.v[r], wv, acc[r]);
+    if constexpr (T > 4) {
+        const hf_f4 b = *reinterpret_cast<const hf_f4*>(xk + 4);
+#pragma unroll
+        for (int r = 4; r < T; ++r) acc[r] = fmaf(b.v[r - 4], wv, acc[r]);
+    }
+}
+
+// The kn valid k of one staged chunk, in order, for this thread's row of ws.
+template <int T>
+__device__ __forceinline__ void hf_mv_chunk(const uint16_t* wrow, const float (*xs)[HF_MV_MAX_T], uint32_t kn,
+                                            float (&acc)[T]) {
+    if (kn == HF_MV_BK) {
+#pragma unroll
+        for (int q = 0; q < HF_MV_BK / 8; ++q) {
+            const hf_u4 wq = *reinterpret_cast<const hf_u4*>(wrow + 8 * q);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const uint32_t u = wq.v[e / 2];
+                hf_mv_step<T>(xs[8 * q + e], __uint_as_float((e & 1) ? (u & 0xffff0000u) : (u << 16)), acc);
+            }
+        }
+    } else {
+        for (uint32_t kk = 0; kk < kn; ++kk) hf_mv_step<T>(xs[kk], __uint_as_float((uint32_t)wrow[kk] << 16), acc);
+    }
+}
+
+// x loader: this thread takes k = k0 + tid % HF_MV_BK of rows tid / HF_MV_BK + HF_MV_XROWS * i.
+template <int T>
+__device__ __forceinline__ void hf_mv_load_x(const hf_bf16* xg, uint64_t x_stride, uint32_t k0, uint32_t kn,
+                                             float (&v)[4]) {
+    const uint32_t kk = threadIdx.x % HF_MV_BK, r0 = threadIdx.x / HF_MV_BK;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t r = r0 + HF_MV_XROWS * i;
+        v[i] = (r < (uint32_t)T && kk < kn) ? hf_bf16_to_f32(xg[r * x_stride + k0 + kk]) : 0.0f;
+    }
+}
+
+template <int T>
+__device__ __forceinline__ void hf_mv_store_x(float (*xs)[HF_MV_MAX_T], const float (&v)[4]) {
+    const uint32_t kk = threadIdx.x % HF_MV_BK, r0 = threadIdx.x / HF_MV_BK;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t r = r0 + HF_MV_XROWS * i;
+        if (r < (uint32_t)T) xs[kk][r] = v[i];
+    }
+}
+
+// w loader, vector path: this thread takes the 16-byte piece tid % 8 (k0 + 8 (tid % 8) ...) of slab
+// rows tid / 8 + 16 i; rows past n and pieces past kn (a multiple of 8 here) read as zero.
+__device__ __forceinline__ void hf_mv_load_w(const hf_bf16* wg, uint32_t n0, uint32_t n, uint32_t k, uint32_t k0,
+                                             uint32_t kn, hf_u4 (&q)[8]) {
+    const uint32_t kk = 8 * (threadIdx.x % 8), r0 = threadIdx.x / 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const uint32_t c = n0 + r0 + (HF_MV_THREADS / 8) * i;
+        if (c < n && kk < kn) {
+            q[i] = *reinterpret_cast<const hf_u4*>(wg + (uint64_t)c * k + k0 + kk);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) q[i].v[e] = 0u;
+        }
+    }
+}
+
+__device__ __forceinline__ void hf_mv_store_w(uint16_t (*ws)[HF_MV_WPITCH], const hf_u4 (&q)[8]) {
+    const uint32_t kk = 8 * (threadIdx.x % 8), r0 = threadIdx.x / 8;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) *reinterpret_cast<hf_u4*>(&ws[r0 + (HF_MV_THREADS / 8) * i][kk]) = q[i];
+}
+
+// Rows m0 .. m0 + T - 1 of the block's slab (T <= 8).
+template <int T, typename Out>
+__device__ __forceinline__ void hf_mv_rows(const hf_bf16* __restrict__ x, const hf_bf16* __restrict__ w,
+                                           Out* __restrict__ y, uint32_t m0, uint32_t n, uint32_t k,
+                                           uint32_t groups, uint16_t (*ws)[HF_MV_WPITCH],
+                                           float (*xs)[HF_MV_MAX_T]) {
+    const uint32_t tid = threadIdx.x, n0 = blockIdx.x * HF_MV_BN, g = blockIdx.z;
+    const uint64_t x_stride = (uint64_t)groups * k;  // elements between tokens of x
+    const hf_bf16* xg = x + (uint64_t)m0 * x_stride + (uint64_t)g * k;
+    const hf_bf16* wg = w + (uint64_t)g * n * k;
+    float acc[T];
+#pragma unroll
+    for (int r = 0; r < T; ++r) acc[r] = 0.0f;
+
+    if (k % 8 == 0 && ((uint64_t)wg & 15u) == 0) {
+        hf_u4 wq[8];
+        float xv[4];
+        uint32_t kn = k < HF_MV_BK ? k : HF_MV_BK;
+        hf_mv_load_w(wg, n0, n, k, 0, kn, wq);
+        hf_mv_load_x<T>(xg, x_stride, 0, kn, xv);
+        for (uint32_t k0 = 0; k0 < k; k0 += HF_MV_BK) {
+            __syncthreads();  // the previous chunk (or pass) is consumed
+            hf_mv_store_w(ws, wq);
+            hf_mv_store_x<T>(xs, xv);
+            __syncthreads();
+            const uint32_t cur = kn;
+            if (k0 + HF_MV_BK < k) {  // chunk j + 1 in flight while chunk j runs
+                const uint32_t k1 = k0 + HF_MV_BK;
+                kn = k - k1 < HF_MV_BK ? k - k1 : HF_MV_BK;
+                hf_mv_load_w(wg, n0, n, k, k1, kn, wq);
+                hf_mv_load_x<T>(xg, x_stride, k1, kn, xv);
+            }
+            hf_mv_chunk<T>(ws[tid], xs, cur, acc);
+        }
+    } else {
+        for (uint32_t k0 = 0; k0 < k; k0 += HF_MV_BK) {
+            const uint32_t kn = k - k0 < HF_MV_BK ? k - k0 : HF_MV_BK;
+            float xv[4];
+            hf_mv_load_x<T>(xg, x_stride, k0, kn, xv);
+            __syncthreads();  // the previous chunk (or pass) is consumed
+            const uint32_t kk = tid % HF_MV_BK;
+#pragma unroll 8
+            for (uint32_t r = tid / HF_MV_BK; r < HF_MV_BN; r += HF_MV_XROWS) {
+                const uint32_t c = n0 + r;
+                ws[r][kk] = (c < n && kk < kn) ? wg[(uint64_t)c * k + k0 + kk].bits : (uint16_t)0;
+            }
+            hf_mv_store_x<T>(xs, xv);
+            __syncthreads();
+            hf_mv_chunk<T>(ws[tid], xs, kn, acc);
+        }
+    }
+    const uint32_t c = n0 + tid;
+    if (c < n) {
+#pragma unroll
+        for (int r = 0; r < T; ++r) hf_store_f32(y + ((uint64_t)(m0 + r) * groups + g) * n + c, acc[r]);
+    }
+}
+
+template <typename Out>
+__device__ __forceinline__ void hf_matmul_small_t_body(const hf_bf16* __restrict__ x, const hf_bf16* __restrict__ w,
+                                                       Out* __restrict__ y, uint32_t t, uint32_t n, uint32_t k,
+                                                       uint32_t groups) {
+    __shared__ alignas(16) uint16_t ws[HF_MV_BN][HF_MV_WPITCH];
+    __shared__ alignas(16) float xs[HF_MV_BK][HF_MV_MAX_T];
+    for (uint32_t m0 = 0; m0 < t; m0 += HF_MV_MAX_T) {
+        switch (t - m0 < HF_MV_MAX_T ? t - m0 : HF_MV_MAX_T) {
+            case 1: hf_mv_rows<1, Out>(x, w, y, m0, n, k, groups, ws, xs); break;
+            case 2: hf_mv_rows<2, Out>(x, w, y, m0, n, k, groups, ws, xs); break;
+            case 3: hf_mv_rows<3, Out>(x, w, y, m0, n, k, groups, ws, xs); break;
+            case 4: hf_mv_rows<4, Out>(x, w, y, m0, n, k, groups, ws, xs); break;
+            case 5: hf_mv_rows<5, Out>(x, w, y, m0, n, k, groups, ws, xs); break;
+            case 6: hf_mv_rows<6, Out>(x, w, y, m0, n, k, groups, ws, xs); break;
+            case 7: hf_mv_rows<7, Out>(x, w, y, m0, n, k, groups, ws, xs); break;
+            default: hf_mv_rows<8, Out>(x, w, y, m0, n, k, groups, ws, xs); break;
+        }
+    }
+}
+
+HF_KERNEL void __launch_bounds__(HF_MV_THREADS)
+hf_matmul_small_t_bf16(const hf_bf16* x, const hf_bf16* w, hf_bf16* y, uint32_t t, uint32_t n, uint32_t k,
+                       uint32_t groups) {
+    hf_matmul_small_t_body<hf_bf16>(x, w, y, t, n, k, groups);
+}
+
+HF_KERNEL void __launch_bounds__(HF_MV_THREADS)
+hf_matmul_small_t_f32(const hf_bf16* x, const hf_bf16* w, float* y, uint32_t t, uint32_t n, uint32_t k,
+                      uint32_t groups) {
+    hf_matmul_small_t_body<float>(x, w, y, t, n, k, groups);
 }
 
 // ---- rms_norm: one block of HF_NORM_THREADS per row -------------------------------------------

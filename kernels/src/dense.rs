@@ -3,9 +3,9 @@
 //!
 //! ## Numerics and batch invariance
 //! bf16 storage, f32 math. Each output's reduction order is fixed by the op and never depends on
-//! the number of rows in the launch, on the grid, or on padding: no split-K, no atomics, one
-//! tiling for every T. So row r of a T = 37 launch equals the same row of a T = 1 launch bit for
-//! bit, and a captured launch replays exactly what ran eagerly.
+//! the number of rows in the launch, on the grid, on padding, or on which of the two matmul kernels
+//! runs: no split-K, no atomics. So row r of a T = 37 launch equals the same row of a T = 1 launch
+//! bit for bit, and a captured launch replays exactly what ran eagerly.
 //!
 //! - **matmul**: `acc = 0; for k in 0..K { acc = fmaf(x[k], w[k], acc) }`, one chain per output,
 //!   then (for bf16 out) one round to nearest even. The CPU reference runs the same chain with
@@ -18,17 +18,46 @@
 //!   results differ between libm and a GPU math library, so CPU and GPU agree within a few f32 ulps
 //!   (tests compare them with a tolerance). Batch invariance still holds exactly on each backend.
 //!
-//! ## The matmul kernel
-//! A shared-memory tiled SIMT kernel (no tensor cores): block tile 32 rows (tokens) × 128 columns
-//! (outputs), k in steps of 32; 256 threads, each with a 4 × 4 register tile. Tiles of x and w are
-//! loaded as bf16 (w with 16-byte vector loads when aligned and the k tile is full), converted to
-//! f32 and stored k-major, so the inner loop reads one 16-byte vector of each per k step and issues
-//! 16 FMAs. Grid `(⌈n / 128⌉, ⌈t / 32⌉, groups)`: it depends only on the sizes, so launches are
-//! capturable. Any t, n, k (partial tiles are guarded; a partial k tile runs only its valid k).
+//! ## The matmul kernels
+//! Two SIMT kernels (no tensor cores), chosen by t alone ([`Gemm::uses_small_t_kernel`]):
+//!
+//! - **Tiled** (`t > 8`): block tile 32 rows (tokens) × 128 columns (outputs), k in steps of 32;
+//!   256 threads, each with a 4 × 4 register tile. Tiles of x and w are loaded as bf16 (w with
+//!   16-byte vector loads when aligned and the k tile is full), converted to f32 and stored
+//!   k-major, so the inner loop reads one 16-byte vector of each per k step and issues 16 FMAs.
+//!   Grid `(⌈n / 128⌉, ⌈t / 32⌉, groups)`.
+//! - **Small-t** (`t ≤ 8`, decode steps): the tiled kernel would compute a whole 32-row tile (up
+//!   to 32× the FMAs needed) and be compute-bound; this one is built to stream the weights. 128
+//!   threads own a slab of 128 outputs, one column each, and keep that column's chains for all t
+//!   rows in registers. The block streams the slab's w rows through shared memory 64 k at a time:
+//!   with `k % 8 == 0` and an aligned w, eight coalesced 16-byte loads per thread per chunk (a warp
+//!   reads whole 128-byte row segments), with the next chunk's loads in flight while the current
+//!   one is computed; otherwise element loads. w stays bf16 in shared memory (rows padded so each
+//!   thread's 16-byte reads of its own row are conflict-free); the x rows of the chunk are staged
+//!   as f32, k-major, and read with broadcast 16-byte loads. Grid `(⌈n / 128⌉, 1, groups)`. Every
+//!   weight byte is read once per launch, and the FMAs issued are exactly `t · n · k`.
+//!
+//! Why the bits are the same: both kernels run, for every output, the same chain (`acc = 0`, then
+//! `acc = fmaf(x[k], w[k], acc)` for k = 0, 1, …, K − 1, only valid k, no padded terms), with the
+//! same exact bf16 → f32 conversion and the same final store (f32, or one round to nearest even
+//! for bf16). Tiling only decides which thread runs a chain and when, never its order, so the
+//! kernels agree with each other and with the CPU reference bit for bit, and a row's bits do not
+//! depend on t even where t crosses the threshold.
+//!
+//! The threshold, 8: the small-t kernel issues t FMAs and ⌈t / 4⌉ broadcast 16-byte x loads per
+//! weight element, with no reuse of x across columns. By an issue-rate estimate for an H200-class
+//! SM (4 FMA warp-instructions and about one shared-memory wavefront per cycle) both limits sit
+//! about 1.6× above HBM bandwidth at t = 8, so the kernel stays weight-bandwidth-bound; near t = 16
+//! it would become compute-bound, where the tiled kernel's 4 × 4 register reuse is the better
+//! design. Eight rows are also two 16-byte x vectors per k step and eight accumulators per thread,
+//! well clear of spilling (the PTX test checks). This is an estimate, not a measurement; the
+//! criterion bench (`benches/dense.rs`, t = 1, 8 and 64) times both kernels. Both grids depend only on the sizes,
+//! so launches are capturable. Any t, n, k (partial tiles are guarded).
 
 use holdfast_hal::{bf16, Device, Kernel, LaunchConfig, Stream, View};
 
 use crate::dense_source::{dense_source, ARGMAX_THREADS, MATMUL_BM, MATMUL_BN, MATMUL_THREADS, NORM_THREADS};
+pub use crate::dense_source::{MATMUL_SMALL_T_BN, MATMUL_SMALL_T_MAX, MATMUL_SMALL_T_THREADS};
 use crate::{shape, u32_of, Result};
 
 /// Shape of a (grouped) matmul: `x [t, groups, k] · w[g] [n, k]ᵀ → y [t, groups, n]`, with `w`
@@ -56,9 +85,24 @@ impl Gemm {
         (self.t as u64) * (self.groups as u64) * (self.n as u64) * (self.k as u64)
     }
 
-    /// The launch configuration of this shape: grid `(⌈n / 128⌉, ⌈t / 32⌉, groups)`, 256 threads.
+    /// Whether this shape runs the small-t kernel (`t ≤ 8`, [`MATMUL_SMALL_T_MAX`]) rather than
+    /// the tiled one; both give the same bits (see the module docs).
+    pub const fn uses_small_t_kernel(&self) -> bool {
+        self.t <= MATMUL_SMALL_T_MAX
+    }
+
+    /// The launch configuration of this shape: for `t ≤ 8` (small-t kernel) grid
+    /// `(⌈n / 128⌉, 1, groups)` with 128 threads, else (tiled) grid `(⌈n / 128⌉, ⌈t / 32⌉, groups)`
+    /// with 256 threads.
     pub fn launch_config(&self) -> LaunchConfig {
         let dim = |v: usize, tile: usize| v.div_ceil(tile).max(1).min(u32::MAX as usize) as u32;
+        if self.uses_small_t_kernel() {
+            return LaunchConfig {
+                grid: (dim(self.n, MATMUL_SMALL_T_BN), 1, dim(self.groups, 1)),
+                block: (MATMUL_SMALL_T_THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            };
+        }
         LaunchConfig {
             grid: (dim(self.n, MATMUL_BN), dim(self.t, MATMUL_BM), dim(self.groups, 1)),
             block: (MATMUL_THREADS, 1, 1),
@@ -95,6 +139,8 @@ fn row_grid(rows: usize, block: u32) -> LaunchConfig {
 pub struct DenseKernels {
     matmul_bf16: Kernel,
     matmul_f32: Kernel,
+    matmul_small_t_bf16: Kernel,
+    matmul_small_t_f32: Kernel,
     rms_norm: Kernel,
     rope: Kernel,
     swiglu: Kernel,
@@ -111,6 +157,8 @@ impl DenseKernels {
         Ok(DenseKernels {
             matmul_bf16: m.kernel("hf_matmul_bf16")?,
             matmul_f32: m.kernel("hf_matmul_f32")?,
+            matmul_small_t_bf16: m.kernel("hf_matmul_small_t_bf16")?,
+            matmul_small_t_f32: m.kernel("hf_matmul_small_t_f32")?,
             rms_norm: m.kernel("hf_rms_norm_bf16")?,
             rope: m.kernel("hf_rope_bf16")?,
             swiglu: m.kernel("hf_swiglu_bf16")?,
@@ -124,7 +172,7 @@ impl DenseKernels {
     fn gemm(
         &self,
         op: &'static str,
-        kernel: &Kernel,
+        (tiled, small_t): (&Kernel, &Kernel),
         s: &Stream,
         x: &View<bf16>,
         w: &View<bf16>,
@@ -158,21 +206,25 @@ impl DenseKernels {
             u32_of(op, "k", g.k)?.into(),
             u32_of(op, "groups", g.groups)?.into(),
         ];
+        let kernel = if g.uses_small_t_kernel() { small_t } else { tiled };
         s.launch(kernel, g.launch_config(), &args)?;
         Ok(())
     }
 
     /// `y [t, groups, n] = x [t, groups, k] · w [groups, n, k]ᵀ` per group: bf16 inputs, f32
     /// accumulation (one `fmaf` chain over k per output), bf16 output rounded to nearest even.
-    /// Views may be longer than the shape needs (prefixes of persistent buffers).
+    /// Views may be longer than the shape needs (prefixes of persistent buffers). `t ≤ 8` runs the
+    /// small-t kernel, larger `t` the tiled one, with the same bits.
     pub fn matmul(&self, s: &Stream, x: &View<bf16>, w: &View<bf16>, y: &View<bf16>, g: Gemm) -> Result<()> {
-        self.gemm("matmul", &self.matmul_bf16, s, x, w, y.into(), y.len(), g)
+        let kernels = (&self.matmul_bf16, &self.matmul_small_t_bf16);
+        self.gemm("matmul", kernels, s, x, w, y.into(), y.len(), g)
     }
 
     /// As [`DenseKernels::matmul`] with an f32 output `y [t, groups, n]` (logits, compressor
     /// projections): the same accumulator, not rounded.
     pub fn matmul_f32(&self, s: &Stream, x: &View<bf16>, w: &View<bf16>, y: &View<f32>, g: Gemm) -> Result<()> {
-        self.gemm("matmul_f32", &self.matmul_f32, s, x, w, y.into(), y.len(), g)
+        let kernels = (&self.matmul_f32, &self.matmul_small_t_f32);
+        self.gemm("matmul_f32", kernels, s, x, w, y.into(), y.len(), g)
     }
 
     /// `y[r, :] = x[r, :] · rsqrt(mean(x[r, :]²) + eps) · w` for `x, y [rows, dim]`, `w [dim]`:

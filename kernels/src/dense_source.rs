@@ -1,8 +1,8 @@
 //! The dense ops' kernel source (`dense.cu`) and its CPU references.
 //!
-//! The references follow the device kernels' arithmetic: the matmul runs one `mul_add` chain per
-//! output over k in order and `rms_norm` the same 256 partial sums and tree as the device block,
-//! so both agree with a GPU bit for bit; `argmax`, `embed` and `repeat_rows` are exact by
+//! The references follow the device kernels' arithmetic: the matmul (both device kernels, tiled
+//! and small-t) runs one `mul_add` chain per output over k in order and `rms_norm` the same 256
+//! partial sums and tree as the device block, so both agree with a GPU bit for bit; `argmax`, `embed` and `repeat_rows` are exact by
 //! construction. `rope` and `swiglu` call libm (`powf`, `sin`/`cos`, `exp`), whose last-ulp results
 //! differ between the CPU and a GPU's math library, so those two match within a few ulps of f32
 //! before the bf16 rounding (tests compare them with a tolerance).
@@ -20,6 +20,12 @@ pub const MATMUL_BM: usize = 32;
 pub const MATMUL_BN: usize = 128;
 /// Threads of a matmul block.
 pub const MATMUL_THREADS: u32 = 256;
+/// Most token rows that run the small-t (decode) matmul kernel; larger `t` runs the tiled one.
+pub const MATMUL_SMALL_T_MAX: usize = 8;
+/// Output columns of a small-t matmul block (one per thread).
+pub const MATMUL_SMALL_T_BN: usize = 128;
+/// Threads of a small-t matmul block.
+pub const MATMUL_SMALL_T_THREADS: u32 = 128;
 /// Threads of an `rms_norm` block (one block per row); also the number of partial sums the CPU
 /// reference forms, in the same order.
 pub const NORM_THREADS: usize = 256;
@@ -336,9 +342,10 @@ fn repeat_rows(l: &CpuLaunch<'_>) -> Result<()> {
     y.write(0, &ys)
 }
 
-/// The dense ops' source: `hf_matmul_bf16`, `hf_matmul_f32`, `hf_rms_norm_bf16`, `hf_rope_bf16`,
-/// `hf_swiglu_bf16`, `hf_embed_bf16`, `hf_argmax_f32`, `hf_repeat_rows_bf16`, each with its CPU
-/// reference (argument lists as in `dense.cu`; launch them through [`crate::DenseKernels`]).
+/// The dense ops' source: `hf_matmul_bf16`, `hf_matmul_f32` (tiled), `hf_matmul_small_t_bf16`,
+/// `hf_matmul_small_t_f32` (decode-sized t; the same chains, so the same CPU references as the tiled
+/// pair), `hf_rms_norm_bf16`, `hf_rope_bf16`, `hf_swiglu_bf16`, `hf_embed_bf16`, `hf_argmax_f32`,
+/// `hf_repeat_rows_bf16`, each with its CPU reference (argument lists as in `dense.cu`; launch them through [`crate::DenseKernels`]).
 pub fn dense_source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -355,6 +362,9 @@ pub fn dense_source() -> &'static KernelSource {
             entries: vec![
                 mm("hf_matmul_bf16", matmul_bf16, Param::output::<bf16>("y")),
                 mm("hf_matmul_f32", matmul_f32, Param::output::<f32>("y")),
+                // The small-t kernels compute the same chains, so they share the references.
+                mm("hf_matmul_small_t_bf16", matmul_bf16, Param::output::<bf16>("y")),
+                mm("hf_matmul_small_t_f32", matmul_f32, Param::output::<f32>("y")),
                 KernelEntry {
                     name: "hf_rms_norm_bf16",
                     params: vec![

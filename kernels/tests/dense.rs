@@ -1,10 +1,13 @@
 //! The dense ops against straightforward f64 references on fresh random inputs (odd shapes, t = 1,
 //! n and k off the tile sizes), with poisoned outputs so unwritten elements show; matmul against a
-//! sequential f32 FMA chain bit for bit; batch invariance bit for bit (a row of a t = 37 launch
-//! equals it in t = 1 and t = 64 launches); argmax ties and NaN; embed with out-of-range ids;
+//! sequential f32 FMA chain bit for bit, on both matmul kernels (small-t for t ≤ 8, tiled above:
+//! t ∈ {1, 2, 5, 8, 9} at odd n and k, both w load paths, groups 2); batch invariance bit for bit
+//! (a row of a t = 37 launch equals it in t = 1, t = 3 and t = 64 launches, crossing the two
+//! kernels); argmax ties and NaN; embed with out-of-range ids;
 //! shape errors before launch; graph replay equal to eager. Written once against `&Device`.
 
-use holdfast_hal::{bf16, Buffer, Device, Element, Stream};
+use holdfast_hal::{bf16, Buffer, Device, Element, Stream, View};
+use holdfast_kernels::dense::MATMUL_SMALL_T_MAX;
 use holdfast_kernels::{DenseKernels, Gemm, KernelsError};
 
 /// Unwritten bf16 outputs read as this NaN pattern.
@@ -173,6 +176,81 @@ fn matmul_rows_are_batch_invariant_bit_for_bit(dev: &Device) {
             assert_eq!(&b37[r * row..(r + 1) * row], &b64[r * row..(r + 1) * row], "row {r}: t=37 vs t=64");
             assert_eq!(&f37[r * row..(r + 1) * row], &f1[..], "row {r}: t=37 vs t=1 (f32)");
             assert_eq!(&f37[r * row..(r + 1) * row], &f64_[r * row..(r + 1) * row], "row {r}: t=37 vs t=64 (f32)");
+        }
+    }
+}
+
+/// Small-t shapes `(n, k, groups)`: odd n; k off the 64-wide chunk and a multiple of 8 (16-byte
+/// w loads, partial last chunk), k odd (element loads), whole chunks; groups 2; k = 1.
+const SMALL_T_SHAPES: [(usize, usize, usize); 6] =
+    [(131, 200, 1), (77, 67, 2), (129, 256, 2), (257, 1, 1), (3, 520, 1), (1, 9, 3)];
+
+/// Runs both outputs of `g` on `x`, `w` (views into longer buffers) and checks them against the
+/// f32 FMA chain bit for bit, and that nothing is written past y.
+fn check_chain(dk: &DenseKernels, dev: &Device, s: &Stream, x: &View<bf16>, w: &View<bf16>, g: Gemm, what: &str) {
+    let len = g.t * g.groups * g.n;
+    let (xh, wh) = (s.copy_to_host_sync(x).expect("read"), s.copy_to_host_sync(w).expect("read"));
+    let y = poisoned_bf16(dev, "y", len + 5);
+    let yf = poisoned_f32(dev, "yf", len + 5);
+    dk.matmul(s, x, w, &y.prefix(len).expect("view"), g).expect("matmul");
+    dk.matmul_f32(s, x, w, &yf.prefix(len).expect("view"), g).expect("matmul_f32");
+    let got = s.copy_to_host_sync(&y.view()).expect("read");
+    let gotf = s.copy_to_host_sync(&yf.view()).expect("read");
+    let chain = matmul_chain(&xh, &wh, g);
+    let gotf_bits: Vec<u32> = gotf[..len].iter().map(|v| v.to_bits()).collect();
+    assert_eq!(gotf_bits, chain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{what} {g:?}: f32 FMA chain");
+    let want: Vec<u16> = chain.iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+    assert_eq!(bits(&got[..len]), want, "{what} {g:?}: bf16 of the chain");
+    assert!(got[len..].iter().all(|v| v.to_bits() == POISON_BF16), "{what} {g:?}: nothing written past y");
+    assert!(gotf[len..].iter().all(|v| v.to_bits() == 0xFFFF_FFFF), "{what} {g:?}: nothing written past y (f32)");
+}
+
+fn matmul_small_t_is_the_fma_chain_bit_for_bit(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(19);
+    for t in [1usize, 2, 5, 8, 9] {
+        for (n, k, groups) in SMALL_T_SHAPES {
+            let g = Gemm { t, n, k, groups };
+            assert_eq!(g.uses_small_t_kernel(), t <= MATMUL_SMALL_T_MAX);
+            let (xh, wh) = (rng.bf16s(t * groups * k + 1, 1.0), rng.bf16s(groups * n * k + 1, 0.5));
+            let (x, w) = (upload(dev, "x", &xh), upload(dev, "w", &wh));
+            let (xv, wv) = (x.prefix(t * groups * k).expect("v"), w.prefix(groups * n * k).expect("v"));
+            check_chain(&dk, dev, &s, &xv, &wv, g, "aligned");
+            // Views one element in: w is no longer 16-byte aligned, so the element-load path runs.
+            let (xv, wv) = (x.slice(1, t * groups * k).expect("v"), w.slice(1, groups * n * k).expect("v"));
+            check_chain(&dk, dev, &s, &xv, &wv, g, "offset by one");
+        }
+    }
+}
+
+fn matmul_rows_match_across_the_small_t_and_tiled_kernels(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(23);
+    for (n, k, groups) in SMALL_T_SHAPES {
+        let row = groups * n;
+        let xh = rng.bf16s(37 * groups * k, 1.0);
+        let wh = rng.bf16s(groups * n * k, 0.3);
+        let (x, w) = (upload(dev, "x", &xh), upload(dev, "w", &wh));
+        let run = |t: usize, xv: &View<bf16>| {
+            let y = poisoned_bf16(dev, "y", t * row);
+            let yf = poisoned_f32(dev, "yf", t * row);
+            let g = Gemm { t, n, k, groups };
+            dk.matmul(&s, xv, &w.view(), &y.view(), g).expect("matmul");
+            dk.matmul_f32(&s, xv, &w.view(), &yf.view(), g).expect("matmul_f32");
+            let f: Vec<u32> = s.copy_to_host_sync(&yf.view()).expect("read").iter().map(|v| v.to_bits()).collect();
+            (bits(&s.copy_to_host_sync(&y.view()).expect("read")), f)
+        };
+        let (b37, f37) = run(37, &x.view());
+        assert!(
+            !Gemm { t: 37, n, k, groups }.uses_small_t_kernel() && Gemm { t: 3, n, k, groups }.uses_small_t_kernel()
+        );
+        for start in [0usize, 17, 34] {
+            let (b3, f3) = run(3, &x.slice(start * groups * k, 3 * groups * k).expect("v"));
+            let rows = start * row..(start + 3) * row;
+            assert_eq!(&b37[rows.clone()], &b3[..], "{n}×{k}×{groups}: rows {start}.. of t=37 vs t=3 (bf16)");
+            assert_eq!(&f37[rows], &f3[..], "{n}×{k}×{groups}: rows {start}.. of t=37 vs t=3 (f32)");
         }
     }
 }
@@ -547,6 +625,8 @@ fn graph_replay_with_fresh_inputs_equals_eager_bit_for_bit(dev: &Device) {
 holdfast_hal::device_suite!(
     matmul_matches_the_f64_reference_at_odd_shapes,
     matmul_rows_are_batch_invariant_bit_for_bit,
+    matmul_small_t_is_the_fma_chain_bit_for_bit,
+    matmul_rows_match_across_the_small_t_and_tiled_kernels,
     rms_norm_matches_the_reference_in_place_and_per_row,
     rope_matches_the_reference_and_skips_negative_positions,
     swiglu_matches_the_reference_with_and_without_the_limit,
@@ -596,8 +676,9 @@ fn dense_kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_kernels::dense_source());
 }
 
-/// Both warp widths compile, and the matmul entry points keep their 4 × 4 accumulator tile in
-/// registers (no local memory in their PTX) and read shared memory as 16-byte vectors.
+/// Both warp widths compile, and the four matmul entry points (tiled and small-t) keep their
+/// accumulators in registers (no local memory in their PTX) and read shared memory as 16-byte
+/// vectors; the small-t ones also load w from global memory as 16-byte vectors.
 #[cfg(feature = "cuda")]
 #[test]
 fn dense_kernels_compile_at_both_warp_widths_and_the_matmul_does_not_spill() {
@@ -611,10 +692,32 @@ fn dense_kernels_compile_at_both_warp_widths_and_the_matmul_does_not_spill() {
         let (cubin, ptx) = cuda::compile(holdfast_kernels::dense_source(), "sm_90", warp).expect("compiles");
         assert!(!cubin.is_empty(), "no CUBIN at warp {warp}");
         let ptx = String::from_utf8_lossy(&ptx);
+        let mut names = Vec::new();
         for entry in ptx.split(".entry ").skip(1).filter(|e| e.starts_with("hf_matmul")) {
-            let name = entry.split('(').next().unwrap_or("?");
+            let name = entry.split('(').next().unwrap_or("?").trim();
             assert!(!entry.contains(".local"), "{name} uses local memory at warp {warp}");
             assert!(entry.contains("ld.shared.v4.f32"), "{name} lacks 16-byte shared loads");
+            if name.starts_with("hf_matmul_small_t") {
+                let vec_global = entry.lines().any(|l| l.contains("ld.global") && l.contains(".v4."));
+                assert!(vec_global, "{name} lacks 16-byte global loads of w at warp {warp}");
+            }
+            names.push(name.to_string());
         }
+        names.sort();
+        let want = ["hf_matmul_bf16", "hf_matmul_f32", "hf_matmul_small_t_bf16", "hf_matmul_small_t_f32"];
+        assert_eq!(names, want, "matmul entries at warp {warp}");
     }
+}
+
+/// The launch shape follows t alone: the small-t kernel up to 8 rows, the tiled one above.
+#[test]
+fn the_matmul_launch_shape_switches_kernels_at_the_threshold() {
+    let small = Gemm { t: MATMUL_SMALL_T_MAX, n: 300, k: 64, groups: 2 }.launch_config();
+    assert_eq!((small.grid, small.block), ((3, 1, 2), (128, 1, 1)));
+    let one = Gemm::new(1, 129_280, 4096).launch_config();
+    assert_eq!((one.grid, one.block), ((1010, 1, 1), (128, 1, 1)));
+    let tiled = Gemm { t: MATMUL_SMALL_T_MAX + 1, n: 300, k: 64, groups: 2 }.launch_config();
+    assert_eq!((tiled.grid, tiled.block), ((3, 1, 2), (256, 1, 1)));
+    let big = Gemm::new(37, 129, 8).launch_config();
+    assert_eq!((big.grid, big.block), ((2, 2, 1), (256, 1, 1)));
 }
