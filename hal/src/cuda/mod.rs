@@ -367,7 +367,8 @@ impl StreamOps for CudaStream {
 
     fn copy_d2h_sync(&self, src: u64, dst: &mut [u8]) -> Result<()> {
         if dst.is_empty() {
-            return Ok(());
+            // Nothing to copy, but the call still promises the stream's earlier work is done.
+            return self.stream.synchronize().map_err(drv("cuStreamSynchronize"));
         }
         let stream = self.raw()?;
         // SAFETY: range checked by the front end; synchronised before `dst` is returned.

@@ -385,7 +385,8 @@ impl StreamOps for RocmStream {
 
     fn copy_d2h_sync(&self, src: u64, dst: &mut [u8]) -> Result<()> {
         if dst.is_empty() {
-            return Ok(());
+            // Nothing to copy, but the call still promises the stream's earlier work is done.
+            return self.synchronize();
         }
         let s = self.raw()?;
         // SAFETY: range checked; synchronised before `dst` is returned.
