@@ -66,13 +66,6 @@ struct LayerOps {
     indexer_compressor: Option<Compressor>,
 }
 
-/// The host data of the step about to run: set by [`ModelForward::set_step`], staged by
-/// [`Forward::prepare`].
-#[derive(Debug, Default)]
-struct Pending {
-    step: Option<Step>,
-}
-
 /// Rows whose logits are computed for `t` token rows: `min(t, max_num_seqs)`.
 pub fn sample_rows(t: usize, max_num_seqs: usize) -> usize {
     t.min(max_num_seqs)
@@ -99,8 +92,12 @@ pub struct ModelForward {
     caches: Vec<LayerCaches>,
     ids_staging: PinnedBuffer<i32>,
     rows_staging: PinnedBuffer<i32>,
-    pending: Pending,
+    /// Token rows of the step [`ModelForward::stage_step`] staged, taken by the next real
+    /// [`Forward::prepare`].
+    staged: Option<usize>,
     scratch: Vec<i32>,
+    /// Per layer, the names of its attention op and its FFN piece (error context).
+    op_names: Vec<(String, String)>,
 }
 
 impl std::fmt::Debug for ModelForward {
@@ -140,8 +137,7 @@ mod buf {
     pub const TOKENS: &str = "tokens";
 }
 
-fn g(op: impl Into<String>) -> impl FnOnce(ModelError) -> GraphError {
-    let op = op.into();
+fn g(op: &str) -> impl FnOnce(ModelError) -> GraphError + '_ {
     move |e| to_graph(op, e)
 }
 
@@ -297,8 +293,11 @@ impl ModelForward {
             caches,
             ids_staging: dev.alloc_pinned::<i32>(tm)?,
             rows_staging: dev.alloc_pinned::<i32>(sm)?,
-            pending: Pending::default(),
+            staged: None,
             scratch: Vec::new(),
+            op_names: (0..cfg.num_hidden_layers)
+                .map(|l| (format!("layers.{l}.attention"), format!("layers.{l}.ffn")))
+                .collect(),
         })
     }
 
@@ -334,9 +333,14 @@ impl ModelForward {
             .sum()
     }
 
-    /// Hands the forward the host data of the next step (taken by the next [`Forward::prepare`]).
-    pub fn set_step(&mut self, step: Step) {
-        self.pending.step = Some(step);
+    /// Stages the host data of the next step for `t` token rows (its padded size, as dispatched)
+    /// into the pinned inputs; the next real [`Forward::prepare`] checks it was staged for its
+    /// size. The caller must have waited for the previous step (its uploads read the same memory).
+    pub fn stage_step(&mut self, step: &Step, t: usize) -> Result<()> {
+        self.staged = None;
+        self.stage(t, Some(step))?;
+        self.staged = Some(t);
+        Ok(())
     }
 
     /// The sampled token of each of the first `rows` sample rows of the last step (syncs).
@@ -349,12 +353,13 @@ impl ModelForward {
         Ok(s.copy_to_host_sync(&self.arena.view::<f32>(buf::LOGITS, rows * self.cfg.vocab_size)?)?)
     }
 
-    fn stage(&mut self, t: usize, kind: StepKind) -> Result<()> {
+    /// Writes the pinned inputs for `t` token rows: `step`'s data, or for warm-up and capture
+    /// (`None`) a step of padding rows only.
+    fn stage(&mut self, t: usize, step: Option<&Step>) -> Result<()> {
         let sm = self.limits.max_num_seqs;
         let rp = sample_rows(t, sm);
-        let step = if kind == StepKind::Step { self.pending.step.take() } else { None };
         let mut scratch = std::mem::take(&mut self.scratch);
-        match &step {
+        match step {
             Some(step) => {
                 if step.num_tokens() > t || step.num_reqs() > rp {
                     return Err(ModelError::Step(format!(
@@ -374,9 +379,6 @@ impl ModelForward {
                 self.rows_staging.write(0, &scratch)?;
             }
             None => {
-                if kind == StepKind::Step {
-                    return Err(ModelError::Step("no step was set before running the forward".into()));
-                }
                 // Warm-up and capture: no request, every row padding (reads nothing, writes nothing).
                 let empty: [i32; 0] = [];
                 let input = holdfast_attention::StepInput {
@@ -623,7 +625,19 @@ impl Forward for ModelForward {
                 )),
             ));
         }
-        self.stage(t, kind).map_err(g("prepare"))
+        if kind != StepKind::Step {
+            return self.stage(t, None).map_err(g("prepare"));
+        }
+        match self.staged.take() {
+            Some(staged) if staged == t => Ok(()),
+            staged => Err(to_graph(
+                "prepare",
+                ModelError::Step(match staged {
+                    Some(s) => format!("the step was staged for {s} token rows but runs with {t}"),
+                    None => "no step was staged before running the forward".into(),
+                }),
+            )),
+        }
     }
 
     fn run(
@@ -645,9 +659,9 @@ impl Forward for ModelForward {
         let h = this.cfg.hidden_size;
         for l in 0..this.cfg.num_hidden_layers {
             let y = this.arena.view::<bf16>(buf::Y, t * h)?.raw();
-            let op = format!("layers.{l}.attention");
-            pieces.splitting_op(stream, &op, &[y], |s| this.attention(s, l, t, &meta).map_err(g(op.clone())))?;
-            pieces.piece(stream, |s| this.ffn_piece(s, l, t).map_err(g(format!("layers.{l}.ffn"))))?;
+            let (attn, ffn) = &this.op_names[l];
+            pieces.splitting_op(stream, attn, &[y], |s| this.attention(s, l, t, &meta).map_err(g(attn)))?;
+            pieces.piece(stream, |s| this.ffn_piece(s, l, t).map_err(g(ffn)))?;
         }
         Ok(())
     }

@@ -313,6 +313,23 @@ pub struct KvManager {
     held: BTreeMap<u64, Held>,
 }
 
+/// Blocks of `pool` that `len` tokens need, or [`KvError::TooLong`] when they exceed a table row
+/// of `max` blocks.
+fn row_blocks(pool: &BlockPool, max: usize, id: u64, len: usize) -> Result<usize, KvError> {
+    let need = pool.blocks_for(len);
+    if need > max {
+        return Err(KvError::TooLong {
+            pool: pool.name,
+            id,
+            len,
+            need,
+            block_size: pool.block_size,
+            max_blocks_per_seq: max,
+        });
+    }
+    Ok(need)
+}
+
 impl KvManager {
     /// Builds both pools. Errors on a zero size or a pool whose slot ids overflow `i32`.
     pub fn new(cfg: KvConfig) -> Result<Self, KvError> {
@@ -348,17 +365,7 @@ impl KvManager {
     /// names the first limit it breaks ([`KvError::TooLong`] or [`KvError::ExceedsCapacity`]).
     pub fn check_fits_alone(&self, id: u64, len: usize) -> Result<(), KvError> {
         for (pool, max) in [(&self.swa, self.cfg.max_blocks_per_seq_swa), (&self.kv, self.cfg.max_blocks_per_seq_kv)] {
-            let need = pool.blocks_for(len);
-            if need > max {
-                return Err(KvError::TooLong {
-                    pool: pool.name,
-                    id,
-                    len,
-                    need,
-                    block_size: pool.block_size,
-                    max_blocks_per_seq: max,
-                });
-            }
+            let need = row_blocks(pool, max, id, len)?;
             if need > pool.capacity() {
                 return Err(KvError::ExceedsCapacity {
                     pool: pool.name,
@@ -384,17 +391,7 @@ impl KvManager {
         .into_iter()
         .enumerate()
         {
-            let need = pool.blocks_for(len);
-            if need > max {
-                return Err(KvError::TooLong {
-                    pool: pool.name,
-                    id,
-                    len,
-                    need,
-                    block_size: pool.block_size,
-                    max_blocks_per_seq: max,
-                });
-            }
+            let need = row_blocks(pool, max, id, len)?;
             out[i] = need.saturating_sub(have);
         }
         Ok((out[0], out[1]))

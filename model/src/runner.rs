@@ -303,7 +303,7 @@ impl ModelRunner {
             ModeSet::EMPTY,
             ModeSet::EMPTY,
         )?;
-        self.runner.forward_mut().set_step(step.clone());
+        self.runner.forward_mut().stage_step(step, d.descriptor.num_tokens as usize)?;
         self.runner.execute(&self.stream, d.mode, &d.descriptor)?;
         let host_seconds = t0.elapsed().as_secs_f64();
         let rows = step.num_sampling();
