@@ -60,6 +60,7 @@ pub use indexer::{
 pub use layer::LayerKind;
 pub use source::C4A_THREADS;
 pub use sparse_attention::{
-    source as sparse_attention_source, RaggedKv, SparseAttention, HEADS_PER_BLOCK, MAX_CHUNKS_PER_LANE,
+    source as sparse_attention_source, AttentionKernel, RaggedKv, SparseAttention, HEADS_PER_BLOCK,
+    MAX_CHUNKS_PER_LANE, TENSOR_CORE_HEAD_DIMS,
 };
 pub use swa::{SwaBuilder, SwaDecode, SwaMetadata, SwaPrefill};

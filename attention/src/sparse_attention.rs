@@ -8,15 +8,31 @@
 //! `m' = max(m, sink_h)`, `l' = l·e^{m−m'} + e^{sink_h−m'}`, `out = acc·e^{m−m'} / l'`, so a row
 //! with no entries yields zeros, never NaN.
 //!
-//! Launch shape: one block per (row, group of 8 heads); `4 × warp` threads; the K row is staged in
-//! `D × 4` bytes of shared memory. It depends only on the padded row count and the static sizes,
-//! and a row's result depends on nothing but its own inputs (batch-invariant).
+//! Two device kernels compute this ([`AttentionKernel`]):
+//! - **tensor cores** (CUDA, sm_80 and newer, `head_dim` 64, 128, 256 or 512): one block per
+//!   (row, group of 16 or 32 heads), `8 × heads-per-block` threads. The row's entries stream
+//!   through shared memory in tiles of 32 (double-buffered `cp.async`, about 85 KiB of shared
+//!   memory at `head_dim` 512); `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q`
+//!   held in registers. Per tile the scores are the sum of four `head_dim / 4` slices in slice
+//!   order, the online softmax runs in f32 and `p` is rounded to bf16 both for `p·v` and for the
+//!   running sum `l`. Relative to the f32 definition this costs the bf16 rounding of `p` (the
+//!   tests bound the relative L2 error by 1e-2). Which of the two head groupings runs follows the
+//!   padded row count (16 heads per block while the grid would not fill the device); every output
+//!   element's arithmetic depends on its own row and head only, so the choice changes no bit.
+//! - **portable** (any device, `head_dim` a multiple of the warp width up to 16 × warp): one block
+//!   per (row, group of 8 heads), `4 × warp` threads, one entry at a time through `D × 4` bytes of
+//!   shared memory, CUDA-core f32 arithmetic in exactly the CPU reference's order.
+//!
+//! Both launch shapes depend only on the padded row count and the static sizes, and a row's
+//! result depends on nothing but its own inputs (batch-invariant). The CPU backend runs the
+//! reference (the portable kernel's arithmetic).
 
 use std::sync::OnceLock;
 
 use crate::error::{AttentionError, Result};
 use holdfast_hal::{
-    bf16, CpuLaunch, Device, Kernel, KernelEntry, KernelSource, LaunchConfig, Param, ScalarKind, Stream, View,
+    bf16, BackendKind, CpuLaunch, Device, Kernel, KernelEntry, KernelSource, LaunchConfig, Param, ScalarKind, Stream,
+    View,
 };
 use rayon::prelude::*;
 
@@ -104,6 +120,295 @@ HF_KERNEL void hf_sparse_attn_bf16(const hf_bf16* q, const hf_bf16* main_cache, 
             if ((uint32_t)i < nc) out[((uint64_t)t * H + h) * D + lane + i * HF_WARP_SIZE] = hf_f32_to_bf16(acc[hh][i] * f);
     }
 }
+
+// ---- Tensor-core path (sm_80+): mma.sync m16n8k16 bf16 -> f32, K tiles staged by cp.async ----
+//
+// One block per (row, group of 16·MG heads), 4·MG warps: warp w owns m-group w / 4 (16 heads)
+// and d-slice w % 4 (head_dim / 4 columns). The row's entries (main, then extra) go by tiles
+// of 32, double-buffered in shared memory (the next tile's cp.async runs under this tile's
+// math). Per tile: (1) each warp's partial scores over its d-slice, Q held in registers as
+// mma A fragments; (2) scores summed over the 4 slices in slice order, scaled, masked, online
+// softmax per head (P rounded to bf16, l summed from the rounded P); (3) O = O·corr + P·V per
+// warp's (heads, d-slice). Every output element's arithmetic depends on its own row and head
+// only, so the head grouping (MG) may follow the row count without changing a bit.
+#define HF_MMA_NT 32
+#define HF_MMA_KPAD 8
+#define HF_MMA_SROW (HF_MMA_NT + 1)
+#define HF_MMA_PROW (HF_MMA_NT + 8)
+#define HF_MMA_MAXKS 8
+#define HF_MMA_MAXNT 16
+
+#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+#define HF_ATTN_MMA 1
+__device__ __forceinline__ uint32_t hf_smem_addr(const void* p) {
+    uint32_t r;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void hf_cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void hf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void hf_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void hf_ldsm_x4(uint32_t a, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
+}
+__device__ __forceinline__ void hf_ldsm_x2(uint32_t a, uint32_t& r0, uint32_t& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(a) : "memory");
+}
+__device__ __forceinline__ void hf_ldsm_x4_t(uint32_t a, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
+}
+// c += a · b for one m16n8k16 tile (row-major A, column-major B, f32 accumulators).
+__device__ __forceinline__ void hf_mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t hf_pack_bf16x2(float lo, float hi) {
+    return (uint32_t)hf_f32_to_bf16(lo).bits | ((uint32_t)hf_f32_to_bf16(hi).bits << 16);
+}
+
+template <int MG, int D>
+__device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q, const hf_bf16* __restrict__ main_cache,
+                                                   const int32_t* __restrict__ main_idx,
+                                                   const int32_t* __restrict__ main_indptr,
+                                                   const hf_bf16* __restrict__ extra_cache,
+                                                   const int32_t* __restrict__ extra_idx,
+                                                   const int32_t* __restrict__ extra_indptr,
+                                                   const float* __restrict__ sink, hf_bf16* __restrict__ out,
+                                                   uint32_t T, uint32_t H, uint32_t S_main,
+                                                   uint32_t S_extra, uint32_t has_extra, float scale) {
+    constexpr uint32_t HB = 16u * MG, NTH = 128u * MG, NT = HF_MMA_NT;
+    constexpr uint32_t kstride = D + HF_MMA_KPAD;  // bf16 elements per staged K row
+    constexpr uint32_t slice = D / 4u, ksteps = D / 64u, ntd = D / 32u;
+    extern __shared__ __align__(16) unsigned char hf_smem[];
+    const uint32_t groups = (H + HB - 1u) / HB;
+    const uint32_t t = blockIdx.x / groups, hbase = (blockIdx.x % groups) * HB;
+    if (t >= T) return;
+    hf_bf16* kbuf = (hf_bf16*)hf_smem;                                         // [2][NT][kstride]
+    float* sp = (float*)(hf_smem + 2u * NT * kstride * 2u);                    // [4][HB][SROW]
+    hf_bf16* pb = (hf_bf16*)((unsigned char*)sp + 4u * HB * HF_MMA_SROW * 4u);  // [HB][PROW]
+    int32_t* vld = (int32_t*)((unsigned char*)pb + HB * HF_MMA_PROW * 2u);     // [2][NT]
+    float* corr_s = (float*)(vld + 2u * NT);                                    // [HB]
+    float* m_s = corr_s + HB;                                                   // [HB]
+    float* l_s = m_s + HB;                                                      // [HB]
+
+    const uint32_t tid = threadIdx.x, warp = tid / 32u, lane = tid % 32u, g = lane >> 2, c4 = lane & 3u;
+    const uint32_t mg = warp >> 2, ds = warp & 3u;
+    const uint32_t d_lo = ds * slice;
+    const float NEG_INF = __int_as_float(0xff800000);
+
+    // Q of this warp's 16 heads over its d-slice as A fragments (zero for heads >= H).
+    uint32_t qa[HF_MMA_MAXKS][4];
+#pragma unroll
+    for (int ks = 0; ks < HF_MMA_MAXKS; ++ks) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const uint32_t h = hbase + mg * 16u + g + ((r & 1) ? 8u : 0u);
+            const uint32_t d = d_lo + (uint32_t)ks * 16u + 2u * c4 + ((r & 2) ? 8u : 0u);
+            qa[ks][r] = ((uint32_t)ks < ksteps && h < H)
+                            ? *(const uint32_t*)(q + ((uint64_t)t * H + h) * D + d)
+                            : 0u;
+        }
+    }
+    float o[HF_MMA_MAXNT][4];
+#pragma unroll
+    for (int i = 0; i < HF_MMA_MAXNT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+    const int32_t mb = main_indptr[t], me = main_indptr[t + 1u];
+    const int32_t eb = has_extra ? extra_indptr[t] : 0, ee = has_extra ? extra_indptr[t + 1u] : 0;
+    const uint32_t nm = me > mb ? (uint32_t)(me - mb) : 0u, ne = ee > eb ? (uint32_t)(ee - eb) : 0u;
+    const uint32_t n = nm + ne, ntiles = (n + NT - 1u) / NT;
+
+    // Stage tile `tile` in buffer `b`: invalid or missing entries become zero rows, vld[b][e] = 0.
+    auto load_tile = [&](uint32_t tile, uint32_t b) {
+        // TPE threads per entry, each moving PPT 16-byte pieces of its row: one index read each.
+        constexpr uint32_t TPE = NTH / NT, PPT = (D / 8u) / TPE;
+        const uint32_t e = tid / TPE, sub = tid % TPE, j = tile * NT + e;
+        const hf_bf16* src = main_cache;
+        uint32_t ok = 0u;
+        if (j < nm) {
+            const int32_t slot = main_idx[mb + (int32_t)j];
+            ok = (slot >= 0 && (uint32_t)slot < S_main) ? 1u : 0u;
+            if (ok) src = main_cache + (uint64_t)slot * D;
+        } else if (j < n) {
+            const int32_t slot = extra_idx[eb + (int32_t)(j - nm)];
+            ok = (slot >= 0 && (uint32_t)slot < S_extra) ? 1u : 0u;
+            if (ok) src = extra_cache + (uint64_t)slot * D;
+        }
+        const uint32_t dst = hf_smem_addr(kbuf + ((uint64_t)b * NT + e) * kstride);
+#pragma unroll
+        for (uint32_t k = 0; k < PPT; ++k) {
+            const uint32_t part = sub + k * TPE;
+            hf_cp_async16(dst + part * 16u, src + (ok ? part * 8u : 0u), ok ? 16u : 0u);
+        }
+        if (sub == 0u) vld[b * NT + e] = (int32_t)ok;
+        hf_cp_async_commit();
+    };
+
+    // Softmax state of head `hl = tid / 8` (identical in its 8 lanes).
+    const uint32_t hl = tid >> 3, e0 = (tid & 7u) * 4u;
+    float m_run = NEG_INF, l_run = 0.0f;
+
+    if (ntiles > 0u) load_tile(0u, 0u);
+    for (uint32_t tile = 0; tile < ntiles; ++tile) {
+        const uint32_t b = tile & 1u;
+        hf_cp_async_wait_all();
+        __syncthreads();  // tile visible to all; everyone is done with the other buffer
+        if (tile + 1u < ntiles) load_tile(tile + 1u, b ^ 1u);
+        const hf_bf16* kt = kbuf + (uint64_t)b * NT * kstride;
+
+        // (1) partial scores of 16 heads x 32 entries over this warp's d-slice.
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+            float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const uint32_t erow = (uint32_t)nt * 8u + (lane & 7u);
+#pragma unroll
+            for (int ks = 0; ks < HF_MMA_MAXKS; ks += 2) {
+                if ((uint32_t)ks + 1u < ksteps) {
+                    uint32_t b0, b1, b2, b3;
+                    hf_ldsm_x4(hf_smem_addr(kt + erow * kstride + d_lo + (uint32_t)ks * 16u + (lane >> 3) * 8u), b0, b1, b2, b3);
+                    hf_mma_bf16(acc, qa[ks], b0, b1);
+                    hf_mma_bf16(acc, qa[ks + 1], b2, b3);
+                } else if ((uint32_t)ks < ksteps) {
+                    uint32_t b0, b1;
+                    hf_ldsm_x2(hf_smem_addr(kt + erow * kstride + d_lo + (uint32_t)ks * 16u + ((lane >> 3) & 1u) * 8u), b0, b1);
+                    hf_mma_bf16(acc, qa[ks], b0, b1);
+                }
+            }
+            float* row0 = sp + ((uint64_t)ds * HB + mg * 16u + g) * HF_MMA_SROW + (uint32_t)nt * 8u + 2u * c4;
+            row0[0] = acc[0];
+            row0[1] = acc[1];
+            row0[8u * HF_MMA_SROW] = acc[2];
+            row0[8u * HF_MMA_SROW + 1u] = acc[3];
+        }
+        __syncthreads();
+
+        // (2) scores summed over the slices in order, online softmax, P as bf16.
+        {
+            float s[4], mx = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const uint32_t at = hl * HF_MMA_SROW + e0 + (uint32_t)i, stride = HB * HF_MMA_SROW;
+                const float v = ((sp[at] + sp[at + stride]) + sp[at + 2u * stride]) + sp[at + 3u * stride];
+                s[i] = vld[b * NT + e0 + (uint32_t)i] ? v * scale : NEG_INF;
+                mx = fmaxf(mx, s[i]);
+            }
+            mx = fmaxf(mx, hf_shfl_xor(mx, 1));
+            mx = fmaxf(mx, hf_shfl_xor(mx, 2));
+            mx = fmaxf(mx, hf_shfl_xor(mx, 4));
+            const float mn = fmaxf(m_run, mx);
+            const float corr = m_run == NEG_INF ? 0.0f : expf(m_run - mn);
+            float rs = 0.0f;
+            uint32_t packed[2];
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+                const float p0 = s[i] == NEG_INF ? 0.0f : expf(s[i] - mn);
+                const float p1 = s[i + 1] == NEG_INF ? 0.0f : expf(s[i + 1] - mn);
+                const hf_bf16 q0 = hf_f32_to_bf16(p0), q1 = hf_f32_to_bf16(p1);
+                rs += hf_bf16_to_f32(q0);
+                rs += hf_bf16_to_f32(q1);
+                packed[i / 2] = (uint32_t)q0.bits | ((uint32_t)q1.bits << 16);
+            }
+            rs += hf_shfl_xor(rs, 1);
+            rs += hf_shfl_xor(rs, 2);
+            rs += hf_shfl_xor(rs, 4);
+            l_run = l_run * corr + rs;
+            m_run = mn;
+            uint32_t* prow = (uint32_t*)(pb + hl * HF_MMA_PROW + e0);
+            prow[0] = packed[0];
+            prow[1] = packed[1];
+            if ((tid & 7u) == 0u) corr_s[hl] = corr;
+        }
+        __syncthreads();
+
+        // (3) O = O·corr + P·V over this warp's heads and d-slice.
+        {
+            const float c0 = corr_s[mg * 16u + g], c1 = corr_s[mg * 16u + g + 8u];
+#pragma unroll
+            for (int i = 0; i < HF_MMA_MAXNT; ++i) {
+                o[i][0] *= c0;
+                o[i][1] *= c0;
+                o[i][2] *= c1;
+                o[i][3] *= c1;
+            }
+#pragma unroll
+            for (int kk = 0; kk < (int)(NT / 16u); ++kk) {
+                uint32_t a[4];
+                hf_ldsm_x4(hf_smem_addr(pb + (mg * 16u + (lane & 7u) + ((lane >> 3) & 1u) * 8u) * HF_MMA_PROW
+                                        + (uint32_t)kk * 16u + (lane >> 4) * 8u),
+                           a[0], a[1], a[2], a[3]);
+                const uint32_t erow = (uint32_t)kk * 16u + ((lane >> 3) & 1u) * 8u + (lane & 7u);
+#pragma unroll
+                for (int np = 0; np < HF_MMA_MAXNT; np += 2) {
+                    if ((uint32_t)np < ntd) {
+                        uint32_t b0, b1, b2, b3;
+                        hf_ldsm_x4_t(hf_smem_addr(kt + erow * kstride + d_lo + (uint32_t)np * 8u + (lane >> 4) * 8u), b0, b1,
+                                     b2, b3);
+                        hf_mma_bf16(o[np], a, b0, b1);
+                        hf_mma_bf16(o[np + 1], a, b2, b3);
+                    }
+                }
+            }
+        }
+    }
+
+    // Sink and normalisation: m' = max(m, sink), l' = l·e^(m−m') + e^(sink−m'), out = O·e^(m−m')/l'.
+    if ((tid & 7u) == 0u) {
+        m_s[hl] = m_run;
+        l_s[hl] = l_run;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const uint32_t hr = mg * 16u + g + (uint32_t)half * 8u, h = hbase + hr;
+        if (h >= H) continue;
+        const float m = m_s[hr], sk = sink[h];
+        const float mn = fmaxf(m, sk);
+        const float corr = m == NEG_INF ? 0.0f : expf(m - mn);
+        const float lp = l_s[hr] * corr + expf(sk - mn);
+        const float f = lp > 0.0f ? corr / fmaxf(lp, 1e-30f) : 0.0f;
+        uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + d_lo + 2u * c4);
+#pragma unroll
+        for (int i = 0; i < HF_MMA_MAXNT; ++i)
+            if ((uint32_t)i < ntd) orow[i * 4] = hf_pack_bf16x2(o[i][half * 2] * f, o[i][half * 2 + 1] * f);
+    }
+}
+#endif
+
+// Entry points per (heads per block, head_dim): hf_sparse_attn_mma<16·MG>_d<D>_bf16. The D
+// parameter must equal the template's head_dim (the launcher guarantees it).
+#ifdef HF_ATTN_MMA
+#define HF_ATTN_MMA_ENTRY(NAME, MG, DIM, MINB)                                                                         \
+    HF_KERNEL void __launch_bounds__(128 * MG, MINB)                                                                   \
+        NAME(const hf_bf16* q, const hf_bf16* main_cache, const int32_t* main_idx, const int32_t* main_indptr,          \
+             const hf_bf16* extra_cache, const int32_t* extra_idx, const int32_t* extra_indptr, const float* sink,      \
+             hf_bf16* out, uint32_t T, uint32_t H, uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra,  \
+             float scale) {                                                                                            \
+        if (D != DIM) return;                                                                                          \
+        hf_sparse_attn_mma<MG, DIM>(q, main_cache, main_idx, main_indptr, extra_cache, extra_idx, extra_indptr, sink,   \
+                                    out, T, H, S_main, S_extra, has_extra, scale);                                     \
+    }
+#else
+// Without tensor cores (hipRTC, or CUDA below sm_80) the entries exist but the launcher never
+// picks them: the portable kernel above serves those devices.
+#define HF_ATTN_MMA_ENTRY(NAME, MG, DIM, MINB)                                                                         \
+    HF_KERNEL void NAME(const hf_bf16* q, const hf_bf16* main_cache, const int32_t* main_idx,                           \
+                        const int32_t* main_indptr, const hf_bf16* extra_cache, const int32_t* extra_idx,              \
+                        const int32_t* extra_indptr, const float* sink, hf_bf16* out, uint32_t T, uint32_t H,          \
+                        uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra, float scale) {}
+#endif
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d64_bf16, 1, 64, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d64_bf16, 2, 64, 2)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d128_bf16, 1, 128, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d128_bf16, 2, 128, 2)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d256_bf16, 1, 256, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d256_bf16, 2, 256, 2)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d512_bf16, 1, 512, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d512_bf16, 2, 512, 2)
 "#;
 
 /// Heads handled by one block (4 warps × 2 heads).
@@ -190,7 +495,62 @@ fn sparse_attn_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
     Ok(())
 }
 
-/// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`).
+/// An attention entry point: every attention kernel takes the same parameters.
+fn attend_entry(name: &'static str) -> KernelEntry {
+    let u = |n| Param::scalar(n, ScalarKind::U32);
+    KernelEntry {
+        name,
+        params: vec![
+            Param::input::<bf16>("q"),
+            Param::input::<bf16>("main_cache"),
+            Param::input::<i32>("main_idx"),
+            Param::input::<i32>("main_indptr"),
+            Param::input::<bf16>("extra_cache"),
+            Param::input::<i32>("extra_idx"),
+            Param::input::<i32>("extra_indptr"),
+            Param::input::<f32>("sink"),
+            Param::output::<bf16>("out"),
+            u("T"),
+            u("H"),
+            u("D"),
+            u("S_main"),
+            u("S_extra"),
+            u("has_extra"),
+            Param::scalar("scale", ScalarKind::F32),
+        ],
+        cpu: sparse_attn_ref,
+    }
+}
+
+/// `head_dim`s the tensor-core kernel is instantiated for.
+pub const TENSOR_CORE_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
+const MMA_DIMS: [usize; 4] = TENSOR_CORE_HEAD_DIMS;
+
+/// The tensor-core entry for `16 · mg` heads per block at `head_dim` `d` (one of [`MMA_DIMS`]).
+fn mma_entry(mg: usize, d: usize) -> &'static str {
+    match (mg, d) {
+        (1, 64) => "hf_sparse_attn_mma16_d64_bf16",
+        (2, 64) => "hf_sparse_attn_mma32_d64_bf16",
+        (1, 128) => "hf_sparse_attn_mma16_d128_bf16",
+        (2, 128) => "hf_sparse_attn_mma32_d128_bf16",
+        (1, 256) => "hf_sparse_attn_mma16_d256_bf16",
+        (2, 256) => "hf_sparse_attn_mma32_d256_bf16",
+        (1, _) => "hf_sparse_attn_mma16_d512_bf16",
+        _ => "hf_sparse_attn_mma32_d512_bf16",
+    }
+}
+/// Entries per shared-memory tile of the tensor-core kernel (`HF_MMA_NT`).
+const MMA_TILE: usize = 32;
+
+/// Dynamic shared memory of one tensor-core block of `16 · mg` heads at `head_dim` `d`, bytes
+/// (the kernel's layout: two K tiles, four score slices, P, validity flags, three per-head stats).
+fn mma_shared_bytes(mg: usize, d: usize) -> usize {
+    let hb = 16 * mg;
+    2 * MMA_TILE * (d + 8) * 2 + 4 * hb * (MMA_TILE + 1) * 4 + hb * (MMA_TILE + 8) * 2 + 2 * MMA_TILE * 4 + 3 * hb * 4
+}
+
+/// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, and the tensor-core
+/// `hf_sparse_attn_mma{16,32}_d{64,128,256,512}_bf16`).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -211,29 +571,11 @@ pub fn source() -> &'static KernelSource {
                     ],
                     cpu: kv_insert_ref,
                 },
-                KernelEntry {
-                    name: "hf_sparse_attn_bf16",
-                    params: vec![
-                        Param::input::<bf16>("q"),
-                        Param::input::<bf16>("main_cache"),
-                        Param::input::<i32>("main_idx"),
-                        Param::input::<i32>("main_indptr"),
-                        Param::input::<bf16>("extra_cache"),
-                        Param::input::<i32>("extra_idx"),
-                        Param::input::<i32>("extra_indptr"),
-                        Param::input::<f32>("sink"),
-                        Param::output::<bf16>("out"),
-                        u("T"),
-                        u("H"),
-                        u("D"),
-                        u("S_main"),
-                        u("S_extra"),
-                        u("has_extra"),
-                        Param::scalar("scale", ScalarKind::F32),
-                    ],
-                    cpu: sparse_attn_ref,
-                },
-            ],
+                attend_entry("hf_sparse_attn_bf16"),
+            ]
+            .into_iter()
+            .chain(MMA_DIMS.iter().flat_map(|&d| [attend_entry(mma_entry(1, d)), attend_entry(mma_entry(2, d))]))
+            .collect(),
         }
     })
 }
@@ -257,20 +599,54 @@ pub struct RaggedKv<'a> {
     pub indptr: &'a View<i32>,
 }
 
+/// Which attention kernel a [`SparseAttention`] launches on a GPU (the CPU backend always runs the
+/// reference).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum AttentionKernel {
+    /// The tensor-core kernel where the device and `head_dim` allow it, the portable one otherwise.
+    #[default]
+    Auto,
+    /// Always the portable CUDA-core kernel (for comparisons and for devices without tensor cores).
+    Portable,
+}
+
 /// KV insert and ragged sparse attention for a fixed `heads × head_dim`, compiled for one device.
 #[derive(Clone, Debug)]
 pub struct SparseAttention {
     heads: usize,
     head_dim: usize,
     warp: u32,
+    compute_units: usize,
     insert: Kernel,
     attend: Kernel,
+    /// Tensor-core entries for 16 and 32 heads per block, when selected.
+    mma: Option<(Kernel, Kernel)>,
+}
+
+/// True when `dev` runs the tensor-core kernel at `head_dim`: CUDA sm_80 or newer, `head_dim` one
+/// of [`TENSOR_CORE_HEAD_DIMS`], and room for the 32-head block's shared memory.
+fn tensor_cores_fit(dev: &Device, head_dim: usize) -> bool {
+    let info = dev.info();
+    let sm = info
+        .arch
+        .strip_prefix("sm_")
+        .and_then(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<u32>().ok());
+    info.backend == BackendKind::Cuda
+        && sm.is_some_and(|v| v >= 80)
+        && MMA_DIMS.contains(&head_dim)
+        && mma_shared_bytes(2, head_dim) <= info.max_shared_mem_per_block as usize
 }
 
 impl SparseAttention {
     /// Compiles the kernels for `heads` query heads of `head_dim` (a multiple of the warp width,
-    /// at most [`MAX_CHUNKS_PER_LANE`] × warp width). Unsupported shapes are errors here.
+    /// at most [`MAX_CHUNKS_PER_LANE`] × warp width), with the tensor-core kernel where the device
+    /// allows it. Unsupported shapes are errors here.
     pub fn new(dev: &Device, heads: usize, head_dim: usize) -> Result<Self> {
+        Self::with_kernel(dev, heads, head_dim, AttentionKernel::Auto)
+    }
+
+    /// As [`SparseAttention::new`], choosing the attention kernel.
+    pub fn with_kernel(dev: &Device, heads: usize, head_dim: usize, kernel: AttentionKernel) -> Result<Self> {
         const OP: &str = "SparseAttention::new";
         let warp = dev.info().warp_size.max(32);
         if heads == 0 {
@@ -287,13 +663,53 @@ impl SparseAttention {
             ));
         }
         let m = dev.compile(source())?;
+        let mma = if kernel == AttentionKernel::Auto && tensor_cores_fit(dev, head_dim) {
+            Some((m.kernel(mma_entry(1, head_dim))?, m.kernel(mma_entry(2, head_dim))?))
+        } else {
+            None
+        };
         Ok(SparseAttention {
             heads,
             head_dim,
             warp,
+            compute_units: dev.info().compute_units.max(1) as usize,
             insert: m.kernel("hf_kv_insert_bf16")?,
             attend: m.kernel("hf_sparse_attn_bf16")?,
+            mma,
         })
+    }
+
+    /// True when [`SparseAttention::attend`] runs the tensor-core kernel.
+    pub fn uses_tensor_cores(&self) -> bool {
+        self.mma.is_some()
+    }
+
+    /// The kernel and launch shape `attend` uses for `rows` rows: it depends on `rows` and the
+    /// construction sizes only.
+    fn attend_launch(&self, rows: usize) -> (&Kernel, LaunchConfig) {
+        let (h, d) = (self.heads, self.head_dim);
+        let rows = rows.max(1);
+        match &self.mma {
+            Some((k16, k32)) => {
+                // 32 heads per block once the grid fills the device; 16 (more blocks) before.
+                let mg = if rows * h.div_ceil(32) >= self.compute_units { 2 } else { 1 };
+                let blocks = rows * h.div_ceil(16 * mg);
+                let cfg = LaunchConfig {
+                    grid: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
+                    block: (128 * mg as u32, 1, 1),
+                    shared_mem_bytes: mma_shared_bytes(mg, d) as u32,
+                };
+                (if mg == 2 { k32 } else { k16 }, cfg)
+            }
+            None => {
+                let cfg = LaunchConfig {
+                    grid: (rows.min(i32::MAX as usize) as u32, (h as u32).div_ceil(HEADS_PER_BLOCK), 1),
+                    block: (4 * self.warp, 1, 1),
+                    shared_mem_bytes: (d * 4) as u32,
+                };
+                (&self.attend, cfg)
+            }
+        }
     }
 
     /// Writes row `t` of `kv [T, head_dim]` to slot `slots[t]` of `cache [S, head_dim]` for
@@ -361,11 +777,18 @@ impl SparseAttention {
                 ));
             }
         }
-        let cfg = LaunchConfig {
-            grid: (rows.clamp(1, i32::MAX as usize) as u32, (h as u32).div_ceil(HEADS_PER_BLOCK), 1),
-            block: (4 * self.warp, 1, 1),
-            shared_mem_bytes: (d * 4) as u32,
-        };
+        if self.mma.is_some() {
+            // cp.async moves 16-byte rows pieces and q is read as bf16 pairs.
+            for (name, off) in [("main cache", main.cache.offset()), ("extra cache", ex.cache.offset())] {
+                if !off.is_multiple_of(8) {
+                    return Err(shape(OP, format!("the {name} view starts at element {off}, not a multiple of 8")));
+                }
+            }
+            if !q.offset().is_multiple_of(2) || !out.offset().is_multiple_of(2) {
+                return Err(shape(OP, "q and out views must start at an even element".into()));
+            }
+        }
+        let (kernel, cfg) = self.attend_launch(rows);
         let args = [
             q.into(),
             main.cache.into(),
@@ -384,7 +807,7 @@ impl SparseAttention {
             u32::from(extra.is_some()).into(),
             scale.into(),
         ];
-        s.launch(&self.attend, cfg, &args)?;
+        s.launch(kernel, cfg, &args)?;
         Ok(())
     }
 }

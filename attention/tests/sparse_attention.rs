@@ -2,8 +2,8 @@
 //! inputs with poisoned outputs, batch invariance, graph replay over a growing sequence, and
 //! construction errors. Runs on `cpu` always and on `cuda:0` when present.
 
-use holdfast_attention::{RaggedKv, SparseAttention};
-use holdfast_hal::{bf16, Buffer, Device, Stream};
+use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, TENSOR_CORE_HEAD_DIMS};
+use holdfast_hal::{bf16, BackendKind, Buffer, Device, Stream};
 
 struct Rng(u64);
 impl Rng {
@@ -151,18 +151,37 @@ fn run(k: &SparseAttention, s: &Stream, b: &Dev, rows: usize, cells: usize, scal
     .expect("attend");
 }
 
+/// (rows, heads, head_dim, main slots, extra slots, longest main list, longest extra list): one
+/// entry to many 32-entry tiles, head counts that leave a partial head group, every
+/// tensor-core head_dim and one the portable kernel alone serves (192).
+const CASES: [(usize, usize, usize, usize, usize, usize, usize); 9] = [
+    (1, 1, 64, 40, 10, 16, 8),
+    (7, 13, 64, 300, 64, 128, 40),
+    (16, 8, 512, 256, 64, 128, 64),
+    (3, 64, 512, 128, 32, 64, 32),
+    (5, 64, 512, 700, 400, 300, 200),
+    (4, 40, 128, 200, 100, 90, 70),
+    (6, 128, 256, 150, 90, 70, 33),
+    (3, 17, 192, 100, 50, 40, 40),
+    (2, 64, 512, 64, 64, 31, 1),
+];
+
 fn attention_matches_its_f64_definition(dev: &Device) {
+    matches_f64_with(dev, AttentionKernel::Auto);
+}
+
+fn matches_f64_with(dev: &Device, choice: AttentionKernel) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0x5EED);
-    for (rows, heads, d, s_main, s_extra, max_main, max_extra) in [
-        (1usize, 1usize, 64usize, 40usize, 10usize, 16usize, 8usize),
-        (7, 13, 64, 300, 64, 128, 40),
-        (16, 8, 512, 256, 64, 128, 64),
-        (3, 64, 512, 128, 32, 64, 32),
-    ] {
-        let c = case(&mut rng, rows, heads, d, s_main, s_extra, max_main, max_extra);
+    for (rows, heads, d, s_main, s_extra, max_main, max_extra) in CASES {
+        let mut c = case(&mut rng, rows, heads, d, s_main, s_extra, max_main, max_extra);
+        if rows > 2 {
+            // A row whose every entry is skipped: the sink-only result.
+            c.main_lists[1] = vec![-1, s_main as i32, -7];
+            c.extra_lists[1] = vec![s_extra as i32 + 3];
+        }
         let b = upload(dev, &c);
-        let k = SparseAttention::new(dev, heads, d).expect("kernel");
+        let k = SparseAttention::with_kernel(dev, heads, d, choice).expect("kernel");
         let scale = 1.0 / (d as f32).sqrt();
         run(&k, &s, &b, rows, rows * heads * d, scale);
         let got = s.copy_to_host_sync(&b.out.view()).expect("read");
@@ -194,7 +213,20 @@ fn attention_matches_its_f64_definition(dev: &Device) {
             }
         }
         let rel = (num / den.max(1e-30)).sqrt();
-        assert!(rel <= 1e-2, "rows {rows} heads {heads} d {d}: relative L2 {rel}");
+        assert!(rel <= 1e-2, "{choice:?} rows {rows} heads {heads} d {d}: relative L2 {rel}");
+    }
+}
+
+/// On a GPU the portable kernel meets the same bound, and the tensor-core kernel is the one
+/// `new` picks wherever the device and head_dim allow it.
+fn the_portable_kernel_matches_too_and_tensor_cores_are_picked_where_they_fit(dev: &Device) {
+    matches_f64_with(dev, AttentionKernel::Portable);
+    let sm = dev.info().arch.strip_prefix("sm_").and_then(|v| v.parse::<u32>().ok()).unwrap_or(0);
+    for d in [64usize, 128, 192, 256, 512] {
+        let k = SparseAttention::new(dev, 64, d).expect("kernel");
+        let want = dev.backend() == BackendKind::Cuda && sm >= 80 && TENSOR_CORE_HEAD_DIMS.contains(&d);
+        assert_eq!(k.uses_tensor_cores(), want, "head_dim {d} on {}", dev.info().arch);
+        assert!(!SparseAttention::with_kernel(dev, 64, d, AttentionKernel::Portable).expect("k").uses_tensor_cores());
     }
 }
 
@@ -234,11 +266,17 @@ fn kv_insert_matches_its_definition(dev: &Device) {
 }
 
 fn a_row_is_the_same_alone_and_in_a_padded_batch_of_256(dev: &Device) {
+    // 16 heads × 128 (short lists) and the model's 64 × 512 (several tiles per row): on a GPU the
+    // lone row runs 16 heads per block and the batch 32, so this also pins the head grouping.
+    row_alone_vs_batch(dev, 16, 128, 128, 32);
+    row_alone_vs_batch(dev, 64, 512, 160, 96);
+}
+
+fn row_alone_vs_batch(dev: &Device, heads: usize, d: usize, max_main: usize, max_extra: usize) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(99);
-    let (heads, d) = (16usize, 128usize);
     let k = SparseAttention::new(dev, heads, d).expect("kernel");
-    let big = case(&mut rng, 256, heads, d, 512, 64, 128, 32);
+    let big = case(&mut rng, 256, heads, d, 512, 64, max_main, max_extra);
     let mut padded = case(&mut rng, 0, heads, d, 0, 0, 0, 0);
     padded.rows = 260;
     padded.q = big.q.clone();
@@ -268,8 +306,8 @@ fn a_row_is_the_same_alone_and_in_a_padded_batch_of_256(dev: &Device) {
     }
     let cells = heads * d;
     let pick = |o: &Vec<bf16>, r: usize| o[r * cells..(r + 1) * cells].iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-    assert_eq!(pick(&outs[0], row), pick(&outs[2], 0), "alone vs in a batch of 256");
-    assert_eq!(pick(&outs[0], row), pick(&outs[1], row), "unpadded vs padded batch");
+    assert_eq!(pick(&outs[0], row), pick(&outs[2], 0), "{heads}x{d}: alone vs in a batch of 256");
+    assert_eq!(pick(&outs[0], row), pick(&outs[1], row), "{heads}x{d}: unpadded vs padded batch");
     assert!(outs[1][256 * cells..].iter().all(|v| v.to_f32() == 0.0), "padding rows give zeros");
 }
 
@@ -343,6 +381,7 @@ fn unsupported_shapes_are_errors_at_construction(dev: &Device) {
 
 holdfast_hal::device_suite!(
     attention_matches_its_f64_definition,
+    the_portable_kernel_matches_too_and_tensor_cores_are_picked_where_they_fit,
     kv_insert_matches_its_definition,
     a_row_is_the_same_alone_and_in_a_padded_batch_of_256,
     a_captured_decode_step_replays_a_growing_sequence_like_eager,
@@ -353,4 +392,29 @@ holdfast_hal::device_suite!(
 #[test]
 fn sparse_attention_compiles_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_attention::sparse_attention_source());
+}
+
+/// The tensor-core entries compile for sm_90 to `mma.sync` with `cp.async` staging and keep
+/// everything in registers (no local memory in their PTX).
+#[cfg(feature = "cuda")]
+#[test]
+fn the_tensor_core_entries_use_mma_and_do_not_spill() {
+    use holdfast_hal::cuda;
+    if let Some(reason) = cuda::nvrtc_unavailable_reason() {
+        assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here: {reason}");
+        eprintln!("skipped: NVRTC is not available ({reason})");
+        return;
+    }
+    let (cubin, ptx) = cuda::compile(holdfast_attention::sparse_attention_source(), "sm_90", 32).expect("compiles");
+    assert!(!cubin.is_empty());
+    let ptx = String::from_utf8_lossy(&ptx);
+    let entries: Vec<&str> = ptx.split(".entry ").skip(1).filter(|e| e.starts_with("hf_sparse_attn_mma")).collect();
+    assert_eq!(entries.len(), 2 * TENSOR_CORE_HEAD_DIMS.len(), "one entry per head grouping and head_dim");
+    for e in entries {
+        let name = e.split('(').next().unwrap_or("?").trim();
+        assert!(e.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "{name} lacks mma.sync");
+        assert!(e.contains("cp.async.cg.shared.global"), "{name} lacks cp.async staging");
+        assert!(e.contains("ldmatrix.sync.aligned.m8n8.x4.trans"), "{name} lacks the transposed V loads");
+        assert!(!e.contains(".local"), "{name} uses local memory");
+    }
 }

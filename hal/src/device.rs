@@ -95,7 +95,14 @@ pub struct DeviceInfo {
     pub compute_units: u32,
     /// Warp (NVIDIA: 32) or wavefront (CDNA: 64) width; 1 on the CPU backend.
     pub warp_size: u32,
+    /// Most dynamic shared memory one block may use, bytes (NVIDIA: the opt-in limit, which the
+    /// HAL enables on every kernel it loads; 227 KiB on sm_90). The CPU backend reports the sm_90
+    /// figure, so launches it accepts are launches an sm_90 GPU accepts.
+    pub max_shared_mem_per_block: u32,
 }
+
+/// Dynamic shared memory limit per block of sm_90 (H100/H200), bytes; the CPU backend's figure.
+pub const SM90_MAX_SHARED_MEM_PER_BLOCK: u32 = 227 * 1024;
 
 #[derive(Default)]
 pub(crate) struct Stats {

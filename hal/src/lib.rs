@@ -50,7 +50,7 @@ pub mod testing;
 
 pub use capture::CaptureStatus;
 pub use cpu::{CpuLaunch, CpuPtr};
-pub use device::{BackendKind, Device, DeviceInfo, DeviceName};
+pub use device::{BackendKind, Device, DeviceInfo, DeviceName, SM90_MAX_SHARED_MEM_PER_BLOCK};
 pub use dtype::{DType, Element};
 pub use error::{CaptureOp, HalError, Result};
 pub use graph::Graph;

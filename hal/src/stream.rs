@@ -108,6 +108,16 @@ impl Stream {
             )));
         }
         cfg.validate(kernel.name())?;
+        let smem_max = self.device.info.max_shared_mem_per_block;
+        if cfg.shared_mem_bytes > smem_max {
+            return Err(HalError::InvalidLaunch {
+                kernel: kernel.name().to_string(),
+                detail: format!(
+                    "{} bytes of dynamic shared memory per block; this device allows at most {smem_max}",
+                    cfg.shared_mem_bytes
+                ),
+            });
+        }
         check_args(kernel.name(), kernel.params(), args)?;
         for a in args {
             if let Arg::Ptr(v) = a {

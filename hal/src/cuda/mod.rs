@@ -54,6 +54,8 @@ pub(crate) struct CudaDevice {
     arch: String,
     /// A stream for synchronous uploads.
     upload: Arc<CuStream>,
+    /// `CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`, bytes.
+    smem_optin: i32,
 }
 
 impl CudaDevice {
@@ -76,6 +78,10 @@ impl CudaDevice {
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("cuDeviceGetAttribute"))?;
+        let smem_optin = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(drv("cuDeviceGetAttribute"))?
+            .max(0);
         let info = DeviceInfo {
             name: ctx.name().map_err(drv("cuDeviceGetName"))?,
             backend: BackendKind::Cuda,
@@ -84,9 +90,10 @@ impl CudaDevice {
             arch: arch.clone(),
             compute_units: sms.max(0) as u32,
             warp_size: 32,
+            max_shared_mem_per_block: smem_optin as u32,
         };
         let upload = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        Ok((DeviceImpl::Cuda(CudaDevice { ctx, arch, upload }), info))
+        Ok((DeviceImpl::Cuda(CudaDevice { ctx, arch, upload, smem_optin }), info))
     }
 
     fn bind(&self) -> Result<()> {
@@ -155,6 +162,23 @@ impl DeviceOps for CudaDevice {
                 // SAFETY: the module is loaded in the current context.
                 let f =
                     unsafe { result::module::get_function(module.module, name) }.map_err(drv("cuModuleGetFunction"))?;
+                // Opt in to the device's whole dynamic shared memory (the default stops at 48 KiB);
+                // launches are checked against `DeviceInfo::max_shared_mem_per_block` up front.
+                use sys::CUfunction_attribute_enum as A;
+                // SAFETY: `f` was just returned by the driver for a loaded module.
+                let fixed =
+                    unsafe { result::function::get_function_attribute(f, A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES) }
+                        .map_err(drv("cuFuncGetAttribute"))?;
+                let dynamic = (self.smem_optin - fixed).max(0);
+                // SAFETY: as above; the value is within the device's opt-in limit.
+                unsafe {
+                    result::function::set_function_attribute(
+                        f,
+                        A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        dynamic,
+                    )
+                }
+                .map_err(drv("cuFuncSetAttribute"))?;
                 Ok(KernelImpl::Cuda(CudaKernel { _module: module.clone(), f: FnHandle(f) }))
             })
             .collect()

@@ -97,6 +97,7 @@ impl RocmDevice {
             arch: arch.clone(),
             compute_units: prop.multiProcessorCount.max(0) as u32,
             warp_size: warp,
+            max_shared_mem_per_block: u32::try_from(prop.sharedMemPerBlock).unwrap_or(u32::MAX),
         };
         let upload = Arc::new(StreamHandle::new(dev)?);
         Ok((DeviceImpl::Rocm(RocmDevice { dev, arch, warp, upload }), info))
