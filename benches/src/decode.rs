@@ -169,7 +169,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
         let graphs = runner.capture_order().len();
         let capture_s = runner.capture_all(|_, _, _| {})?;
         rows.push(
-            Row::timed(SECTION, format!("{} {mode} capture ({graphs} graphs)", plan.preset), capture_s * 1e6, 1)
+            Row::value(SECTION, format!("{} {mode} capture ({graphs} graphs)", plan.preset), capture_s, "s")
                 .with_note(format!("resolved {}; runner build {build_s:.2} s", runner.resolved().mode)),
         );
         for &batch in &plan.batches {

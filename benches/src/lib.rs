@@ -210,7 +210,7 @@ pub fn main_with_args<I: IntoIterator<Item = String>>(args: I) -> i32 {
         report.driver.as_deref().unwrap_or("no driver version"),
         report::fmt_num(report.seconds)
     );
-    let mut code = if report.notes.iter().any(|n| n.contains("failed")) { 1 } else { 0 };
+    let mut code = if report.failed.is_empty() { 0 } else { 1 };
     if let Some(path) = &cli.json {
         match serde_json::to_string_pretty(&report) {
             Ok(text) => {
@@ -289,6 +289,7 @@ pub fn run(opts: &Options) -> Result<Report> {
     let clock = timing::Clock::new(&dev, effort)?;
     let mut ctx = Ctx { dev, s, clock, scale, ceilings: Ceilings::default(), notes: Vec::new() };
     let mut rows = Vec::new();
+    let mut failed = Vec::new();
     let progress = |what: &str, t: Instant, n: usize| {
         if opts.verbose {
             eprintln!("gpu-report: {what}: {n} rows in {:.1} s", t.elapsed().as_secs_f64());
@@ -300,12 +301,18 @@ pub fn run(opts: &Options) -> Result<Report> {
     let t = Instant::now();
     match ceilings::copy(&mut ctx) {
         Ok(r) => rows.push(r),
-        Err(e) => ctx.note(format!("ceilings: copy failed: {e}")),
+        Err(e) => {
+            ctx.note(format!("ceilings: copy failed: {e}"));
+            failed.push("ceilings/copy".to_string());
+        }
     }
     if sections.iter().any(|s| matches!(s, Section::Ceilings | Section::Dense)) {
         match ceilings::gemm(&mut ctx) {
             Ok(r) => rows.push(r),
-            Err(e) => ctx.note(format!("ceilings: gemm failed: {e}")),
+            Err(e) => {
+                ctx.note(format!("ceilings: gemm failed: {e}"));
+                failed.push("ceilings/gemm".to_string());
+            }
         }
         rows.extend(ceilings::cublas(&mut ctx));
     }
@@ -332,12 +339,16 @@ pub fn run(opts: &Options) -> Result<Report> {
                 progress(sec.name(), t, r.len());
                 rows.extend(r);
             }
-            Err(e) => ctx.note(format!("{}: failed: {e}", sec.name())),
+            Err(e) => {
+                ctx.note(format!("{}: failed: {e}", sec.name()));
+                failed.push(sec.name().to_string());
+            }
         }
     }
     report.ceilings = ctx.ceilings;
     report.rows = rows;
     report.notes = std::mem::take(&mut ctx.notes);
+    report.failed = failed;
     if let (Some(t), Some(path)) = (&torch, &opts.torch) {
         report.torch_source = Some(format!("{path} (torch {}, {})", t.torch, t.device));
         torch::merge(&mut report, t);

@@ -228,6 +228,8 @@ pub struct Report {
     pub rows: Vec<Row>,
     /// Lines about skipped parts and failures.
     pub notes: Vec<String>,
+    /// Sections (or ceilings) that failed with an error; the exit code is 1 when any did.
+    pub failed: Vec<String>,
     /// Seconds the run took.
     pub seconds: f64,
 }
