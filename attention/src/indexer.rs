@@ -18,14 +18,25 @@
 //!    entry's sum over heads runs in head order; the dot product is a warp reduction on the GPU
 //!    and a sequential sum on the CPU, so the two agree to rounding, and each with itself bit for
 //!    bit.
-//! 2. **top-k** by rank counting: the rank of entry `c` is the number of entries that come before
-//!    it in the (logit descending, index ascending) order; entry `c` lands at `out[rank]` when
-//!    `rank < topk`. Ranks are a permutation of `0 .. n_t`, so the selection is exact and every
-//!    output cell is written once, by a plain store, in no data-dependent order. Logits are
-//!    compared through a total-order key (`−0` equals `+0`, a NaN ranks below every number).
-//!    **Cost: O(n_t²) comparisons per token** (tiled through shared memory on the GPU), which is
-//!    fine for the contexts of tests and small models but not for 1M-token contexts, where a radix
-//!    select should replace it; the CPU reference sorts, which gives the identical order.
+//! 2. **top-k** by an exact radix select, one block of [`TOPK_THREADS`] (1024) threads per token
+//!    ([`topk_launch_config`]). Entry `c` becomes the unique 64-bit item
+//!    `key(logit[c]) << 32 | !c`, where `key` is a total-order key of the logit (`−0` equals
+//!    `+0`, a NaN ranks below every number); items in descending order are the output order.
+//!    Six digit levels (11, 11, 10 bits of the key, then of `!c`) each build a shared-memory
+//!    histogram of the items that match the prefix found so far and narrow the prefix to the bin
+//!    holding the k-th largest item; the search stops at the first level where every item on the
+//!    prefix is taken (the last level's prefix is one whole item), so ties at the cut go to the
+//!    lower index by construction. The first levels read the row from the workspace; once the
+//!    prefix's group fits in [`TOPK_SHARED_CANDIDATES`] items, one more pass over the row moves
+//!    the items above the prefix into the selection and the group into shared memory, where the
+//!    remaining levels run. The `min(n_t, k)` selected items (all of them when `n_t ≤ k`, with no
+//!    search) are bitonic-sorted in shared memory and written, `-1` after. Histogram counts are
+//!    order-independent and items are unique, so the output depends only on the row's values,
+//!    not on thread timing. Static shared memory: a 2048-bin histogram (8 KiB), the selection
+//!    ([`TOPK_MAX`] = 1024 items, 8 KiB) and the candidates (3584 items, 28 KiB), 45 KiB in all;
+//!    no workspace beyond the logits. A typical row costs two reads from the workspace; a row
+//!    whose values crowd into one bin (heavy ties) up to seven. The CPU reference sorts, which
+//!    gives the identical order.
 //!
 //! A compressed slot outside the cache cannot occur for a staged step (the block ids a token can
 //! reach are validated by [`CommonAttentionMetadata::stage`]); the GPU kernel would score such an
@@ -51,8 +62,6 @@ const RATIO: usize = 4;
 
 const CODE: &str = r#"
 #define HF_IDX_WARPS 4
-#define HF_TOPK_THREADS 256
-#define HF_TOPK_TILE 1024
 
 // Compressed entries token t sees: min((pos + 1) / 4, width); 0 for padding / slot -1 tokens.
 __device__ __forceinline__ int32_t hf_idx_visible(const int32_t* positions, const int32_t* slots,
@@ -109,40 +118,218 @@ __device__ __forceinline__ uint32_t hf_topk_key(float x) {
     return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 
-// out[t, rank(c)] = c for rank(c) < k, rank by (logit descending, index ascending); -1 after.
-// Blocks of exactly HF_TOPK_THREADS threads, one block per token.
-HF_KERNEL void hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_t* slots,
-                                    const int32_t* tok_req, int32_t* out, uint32_t n, uint32_t width, uint32_t k) {
-    __shared__ uint32_t tile[HF_TOPK_TILE];
-    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        const int32_t cn = hf_idx_visible(positions, slots, tok_req, t, width);
-        const float* row = scores + (uint64_t)t * width;
-        for (int32_t base = 0; base < cn; base += HF_TOPK_THREADS) {
-            const int32_t c = base + (int32_t)threadIdx.x;
-            const uint32_t mine = c < cn ? hf_topk_key(row[c]) : 0u;
-            uint32_t rank = 0;
-            for (int32_t tb = 0; tb < cn; tb += HF_TOPK_TILE) {
-                const int32_t m = cn - tb < HF_TOPK_TILE ? cn - tb : HF_TOPK_TILE;
-                __syncthreads();
-                for (int32_t j = (int32_t)threadIdx.x; j < m; j += HF_TOPK_THREADS) tile[j] = hf_topk_key(row[tb + j]);
-                __syncthreads();
-                for (int32_t j = 0; j < m; ++j) {
-                    const uint32_t kj = tile[j];
-                    rank += (kj > mine || (kj == mine && tb + j < c)) ? 1u : 0u;
-                }
-            }
-            if (c < cn && rank < k) out[(uint64_t)t * k + rank] = c;
+// ---- top-k: exact radix select on a unique 64-bit item ------------------------------------------
+// item(c) = key(logit[c]) << 32 | ~c: distinct for distinct c, and item order descending is the
+// output order (logit descending, index ascending). The top k items are found digit by digit from
+// the top (11, 11, 10 bits of the key, then 11, 11, 10 bits of ~c), each digit's histogram
+// narrowing to the bin that holds the k-th largest item.
+#define HF_TOPK_THREADS 1024
+#define HF_TOPK_WARPS (HF_TOPK_THREADS / HF_WARP_SIZE)
+#define HF_TOPK_BINS 2048
+#define HF_TOPK_LEVELS 6
+#define HF_TOPK_MAXK 1024
+#define HF_TOPK_CAP 3584
+
+static_assert(HF_TOPK_BINS == 2 * HF_TOPK_THREADS, "hf_topk_find: each thread owns two bins");
+
+struct alignas(16) hf_idx_f4 { float v[4]; };
+
+__device__ __forceinline__ uint64_t hf_topk_item(float x, uint32_t c) {
+    return ((uint64_t)hf_topk_key(x) << 32) | (uint64_t)(~c);
+}
+
+// Calls f(item(c)) once for every c < cn, c owned by this thread (which thread owns which c is
+// irrelevant to the result). The aligned body is read as 16-byte vectors, four per thread in flight.
+template <typename F>
+__device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, F& f) {
+    const uint32_t tid = threadIdx.x;
+    uint32_t head = (4u - (uint32_t)((reinterpret_cast<uint64_t>(row) >> 2) & 3u)) & 3u;
+    if (head > cn) head = cn;
+    if (tid < head) f(hf_topk_item(row[tid], tid));
+    const uint32_t nv = (cn - head) / 4u;
+    const hf_idx_f4* body = reinterpret_cast<const hf_idx_f4*>(row + head);
+    for (uint32_t base = 0; base < nv; base += 4u * HF_TOPK_THREADS) {
+        hf_idx_f4 v[4];
+#pragma unroll
+        for (uint32_t u = 0; u < 4u; ++u) {
+            const uint32_t j = base + u * HF_TOPK_THREADS + tid;
+            if (j < nv) v[u] = body[j];
         }
-        const uint32_t kept = (uint32_t)cn < k ? (uint32_t)cn : k;
-        for (uint32_t j = kept + threadIdx.x; j < k; j += HF_TOPK_THREADS) out[(uint64_t)t * k + j] = -1;
+#pragma unroll
+        for (uint32_t u = 0; u < 4u; ++u) {
+            const uint32_t j = base + u * HF_TOPK_THREADS + tid;
+            if (j < nv) {
+#pragma unroll
+                for (uint32_t e = 0; e < 4u; ++e) f(hf_topk_item(v[u].v[e], head + 4u * j + e));
+            }
+        }
+    }
+    for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) f(hf_topk_item(row[c], c));
+}
+
+// Block-wide: the bin b holding the need-th largest counted item (need >= 1, at most the total of
+// hist) and the count gt of items in bins above it: res = {b, gt, hist[b]}. Thread i owns bins
+// 2i and 2i + 1; exactly one thread finds b inside its pair. Starts reading hist without a
+// barrier (the caller syncs after the histogram), ends with a barrier after res is written.
+__device__ __forceinline__ void hf_topk_find(const uint32_t* hist, uint32_t need, uint32_t* wsum, uint32_t* res) {
+    const uint32_t tid = threadIdx.x, lane = tid % HF_WARP_SIZE, warp = tid / HF_WARP_SIZE;
+    const uint32_t lo = hist[2u * tid], hi = hist[2u * tid + 1u], own = lo + hi;
+    int s = (int)own;  // becomes the sum over lanes >= lane of this warp
+    for (int d = 1; d < HF_WARP_SIZE; d <<= 1) {
+        const int src = (int)lane + d;
+        const int y = hf_shfl(s, src < HF_WARP_SIZE ? src : (int)lane);
+        if (src < HF_WARP_SIZE) s += y;
+    }
+    if (lane == 0) wsum[warp] = (uint32_t)s;
+    __syncthreads();
+    uint32_t above = (uint32_t)s - own;  // items in bins > 2 tid + 1
+    for (uint32_t w = warp + 1u; w < HF_TOPK_WARPS; ++w) above += wsum[w];
+    if (above < need && need <= above + own) {
+        const bool upper = above + hi >= need;
+        res[0] = upper ? 2u * tid + 1u : 2u * tid;
+        res[1] = upper ? above : above + hi;
+        res[2] = upper ? hi : lo;
+    }
+    __syncthreads();
+}
+
+// out[t, :] = the min(n_t, k) largest items of token t's row in descending order (their indices),
+// -1 after. Blocks of exactly HF_TOPK_THREADS threads, one token per block at a time; the
+// launcher guarantees k <= HF_TOPK_MAXK.
+//
+// Levels l = 0 .. 5 refine a prefix (pval under pmask) of the k-th largest item; need counts the
+// items still to take among those matching the prefix (1 <= need <= eq, the prefix's count). When
+// need == eq, every item whose prefix is >= pval is selected and the search stops (at the latest
+// at l = 5, where the prefix is a whole item and eq = 1). Items are read from the global row
+// until the prefix's group fits in cand (HF_TOPK_CAP items): one more pass over the row then
+// stores the items above the prefix in sel and the group in cand, and later levels read cand.
+// Selected items land in sel at atomic slots (order irrelevant: sel is sorted by item before the
+// write-out, and items are unique), so the output depends on the row's values alone.
+HF_KERNEL void __launch_bounds__(HF_TOPK_THREADS)
+hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
+                     int32_t* out, uint32_t n, uint32_t width, uint32_t k) {
+    __shared__ uint32_t hist[HF_TOPK_BINS];
+    __shared__ uint64_t sel[HF_TOPK_MAXK];
+    __shared__ uint64_t cand[HF_TOPK_CAP];
+    __shared__ uint32_t wsum[HF_TOPK_WARPS];
+    __shared__ uint32_t res[3];
+    __shared__ uint32_t cnt[2];  // items in sel, items in cand
+    if (k > HF_TOPK_MAXK || blockDim.x != HF_TOPK_THREADS) return;
+    const uint32_t tid = threadIdx.x;
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        const uint32_t cn = (uint32_t)hf_idx_visible(positions, slots, tok_req, t, width);
+        const float* row = scores + (uint64_t)t * width;
+        __syncthreads();  // the previous token's readers of sel and cnt are done
+        if (tid == 0) cnt[0] = cnt[1] = 0u;
+        const uint32_t m = cn < k ? cn : k;
+        if (cn <= k) {
+            for (uint32_t c = tid; c < cn; c += HF_TOPK_THREADS) sel[c] = hf_topk_item(row[c], c);
+        } else {
+            uint64_t pmask = 0, pval = 0;
+            uint32_t need = k;
+            bool global = true, done = false;
+            // Takes items above the prefix, and those on it when done, into sel; when not done,
+            // stores those on the prefix in cand.
+            auto emit = [&](uint64_t it) {
+                const uint64_t x = it & pmask;
+                if (x > pval || (done && x == pval)) {
+                    const uint32_t at = atomicAdd(&cnt[0], 1u);
+                    if (at < HF_TOPK_MAXK) sel[at] = it;
+                } else if (x == pval) {
+                    const uint32_t at = atomicAdd(&cnt[1], 1u);
+                    if (at < HF_TOPK_CAP) cand[at] = it;
+                }
+            };
+            for (uint32_t l = 0; l < HF_TOPK_LEVELS; ++l) {
+                const uint32_t shift = (l < 3u ? 32u : 0u) + (l % 3u == 0u ? 21u : l % 3u == 1u ? 10u : 0u);
+                const uint32_t mask = l % 3u == 2u ? 1023u : 2047u;
+                for (uint32_t i = tid; i < HF_TOPK_BINS; i += HF_TOPK_THREADS) hist[i] = 0u;
+                __syncthreads();  // hist cleared; cnt reset; cand and sel written by the last pass
+                // Histogram of this level's digit over the items on the prefix. Runs of one bin
+                // are added at once: equal values do not serialise on one shared counter.
+                uint32_t cur = 0u, run = 0u;
+                auto add = [&](uint32_t d) {
+                    if (d != cur) {
+                        if (run) atomicAdd(&hist[cur], run);
+                        cur = d;
+                        run = 0u;
+                    }
+                    ++run;
+                };
+                auto count = [&](uint64_t it) {
+                    if ((it & pmask) == pval) add((uint32_t)(it >> shift) & mask);
+                };
+                // Level 0 (every item, the key's top 11 bits) with constants: the hottest pass.
+                auto count0 = [&](uint64_t it) { add((uint32_t)(it >> 53)); };
+                if (l == 0u) {
+                    hf_topk_each_row(row, cn, count0);
+                } else if (global) {
+                    hf_topk_each_row(row, cn, count);
+                } else {
+                    const uint32_t nc = cnt[1];
+                    for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) count(cand[i]);
+                }
+                if (run) atomicAdd(&hist[cur], run);
+                __syncthreads();  // hist complete
+                hf_topk_find(hist, need, wsum, res);
+                const uint32_t eq = res[2];
+                need -= res[1];
+                pval |= (uint64_t)res[0] << shift;
+                pmask |= (uint64_t)mask << shift;
+                done = need == eq;
+                if (done && !global) {
+                    const uint32_t nc = cnt[1];
+                    for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) emit(cand[i]);
+                } else if (global && (done || eq <= HF_TOPK_CAP)) {
+                    hf_topk_each_row(row, cn, emit);
+                    global = false;
+                }
+                if (done) break;
+            }
+        }
+        __syncthreads();  // sel holds the m selected items
+        // Bitonic sort of sel[0 .. p2) descending, padded with 0 (below every item).
+        uint32_t p2 = 1u;
+        while (p2 < m) p2 <<= 1;
+        for (uint32_t i = m + tid; i < p2; i += HF_TOPK_THREADS) sel[i] = 0u;
+        __syncthreads();
+        for (uint32_t size = 2u; size <= p2; size <<= 1) {
+            for (uint32_t stride = size >> 1; stride > 0u; stride >>= 1) {
+                for (uint32_t i = tid; i < p2; i += HF_TOPK_THREADS) {
+                    const uint32_t j = i ^ stride;
+                    if (j > i) {
+                        const uint64_t a = sel[i], b = sel[j];
+                        if ((i & size) == 0u ? a < b : a > b) {
+                            sel[i] = b;
+                            sel[j] = a;
+                        }
+                    }
+                }
+                __syncthreads();
+            }
+        }
+        int32_t* orow = out + (uint64_t)t * k;
+        for (uint32_t i = tid; i < k; i += HF_TOPK_THREADS) orow[i] = i < m ? (int32_t)~(uint32_t)sel[i] : -1;
     }
 }
 "#;
 
 /// Warps per block of the logits kernel.
 pub const INDEXER_WARPS: u32 = 4;
-/// Threads per block of the top-k kernel (its launcher uses exactly this many).
-pub const TOPK_THREADS: u32 = 256;
+/// Threads per block of the top-k kernel (its launcher uses exactly this many; see
+/// [`topk_launch_config`]).
+pub const TOPK_THREADS: u32 = 1024;
+/// Largest `index_topk` the top-k kernel supports (its sorted selection lives in shared memory).
+pub const TOPK_MAX: usize = 1024;
+/// Items (compressed entries) the top-k kernel keeps in shared memory once the search has
+/// narrowed to them; a larger group is searched by re-reading the row from the workspace.
+pub const TOPK_SHARED_CANDIDATES: usize = 3584;
+
+/// The top-k kernel's launch shape for `num_tokens_padded` tokens: one block of [`TOPK_THREADS`]
+/// per token (grid-stride past 65535), static shared memory only.
+pub fn topk_launch_config(num_tokens_padded: usize) -> LaunchConfig {
+    LaunchConfig::blocks(num_tokens_padded.clamp(1, 65535) as u32, TOPK_THREADS)
+}
 /// Most f32 values the logits kernel stages in shared memory (48 KiB):
 /// `heads·head_dim + heads + INDEXER_WARPS·head_dim` must not exceed it.
 pub const INDEXER_MAX_SHARED_FLOATS: usize = 12288;
@@ -367,8 +554,8 @@ impl Indexer {
                 ),
             ));
         }
-        if topk == 0 || topk > i32::MAX as usize {
-            return Err(AttentionError::Config(format!("{OP}: index_topk {topk} must lie in [1, 2^31)")));
+        if topk == 0 || topk > TOPK_MAX {
+            return Err(AttentionError::Config(format!("{OP}: index_topk {topk} must lie in [1, {TOPK_MAX}]")));
         }
         let table = cfg.kv_table;
         if !table.block_size.is_multiple_of(RATIO) {
@@ -382,6 +569,7 @@ impl Indexer {
         if cache_rows.and_then(|r| r.checked_mul(head_dim)).is_none_or(|v| v > u32::MAX as usize)
             || t.checked_mul(topk).is_none()
             || t.checked_mul(heads * head_dim).is_none()
+            || mc > i32::MAX as usize
         {
             return Err(AttentionError::Config(format!("{OP}: cache or per-token sizes overflow")));
         }
@@ -520,9 +708,40 @@ impl Indexer {
                 u(self.max_compressed).into(),
                 u(k).into(),
             ];
-            s.launch(&self.select, LaunchConfig::blocks(rows, TOPK_THREADS), &topk)?;
+            s.launch(&self.select, topk_launch_config(t), &topk)?;
             Ok(2)
         })?;
         Ok(BuildStats { launches, host_syncs })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The host constants describe the kernel source's own.
+    #[test]
+    fn the_top_k_constants_match_the_kernel_source() {
+        for (name, v) in [
+            ("HF_TOPK_THREADS", TOPK_THREADS as usize),
+            ("HF_TOPK_MAXK", TOPK_MAX),
+            ("HF_TOPK_CAP", TOPK_SHARED_CANDIDATES),
+            ("HF_IDX_WARPS", INDEXER_WARPS as usize),
+        ] {
+            assert!(CODE.contains(&format!("#define {name} {v}\n")), "{name} is not {v} in the kernel source");
+        }
+    }
+
+    /// The CPU reference's key orders like the definition: NaN lowest, `−0 == +0`.
+    #[test]
+    fn the_top_k_key_is_a_total_order_with_signed_zeros_equal() {
+        let xs = [f32::NAN, f32::NEG_INFINITY, -3.0, -f32::MIN_POSITIVE, -0.0, 0.0, 1e-45, 2.0, f32::INFINITY];
+        let keys: Vec<u32> = xs.iter().map(|&x| topk_key(x)).collect();
+        assert_eq!(keys[0], 0);
+        assert_eq!(topk_key(f32::from_bits(0xFFC0_0001)), 0);
+        assert_eq!(keys[4], keys[5]);
+        for (i, w) in keys.windows(2).enumerate() {
+            assert!(w[0] < w[1] || i == 4, "{} vs {}", xs[i], xs[i + 1]);
+        }
     }
 }

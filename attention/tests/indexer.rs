@@ -2,16 +2,19 @@
 //! (every f32 sum is exact in any order, and ties are frequent), rows with fewer entries than
 //! `topk`, no entries, padding, long rows, real-valued inputs (checked up to rounding), batch
 //! invariance and input validation. One test captures compressor + indexer + c4a build in a graph
-//! and replays it over fresh steps, bit for bit equal to eager. Runs on `cpu` always and on
-//! `cuda:0` when present.
+//! and replays it over fresh steps, bit for bit equal to eager. The top-k kernel also runs alone
+//! on crafted logits (heavy ties, NaNs, infinities, signed zeros, values crowded into one
+//! histogram bin; rows shorter and longer than `topk`, up to 70000 entries) against a sorted
+//! definition, bit for bit. Runs on `cpu` always and on `cuda:0` when present.
 
 mod common;
 
 use common::sched::*;
 use common::{token, Batch, Rng, POISON};
+use holdfast_attention::indexer::{topk_launch_config, TOPK_MAX};
 use holdfast_attention::{
-    indexer_max_compressed, AttentionError, C4aBuilder, CommonAttentionMetadata, CommonConfig, Compressor,
-    CompressorWeights, Indexer,
+    indexer_max_compressed, indexer_source, AttentionError, C4aBuilder, CommonAttentionMetadata, CommonConfig,
+    Compressor, CompressorWeights, Indexer, TOPK_THREADS,
 };
 use holdfast_hal::{bf16, Buffer, Device, Stream};
 
@@ -224,7 +227,7 @@ fn long_rows_match_a_sorted_reference_exactly(dev: &Device) {
     let kh = int_bf16(&mut rng, 64 * 64 * dim, -3, 3);
     let mut rig = Rig::new(dev, cfg, heads, dim, topk, kh);
     let s = dev.create_stream().expect("stream");
-    // n_t around 1500 (several top-k tiles and thread rounds on the GPU) and near 300.
+    // n_t around 1500 (more than the top-k: the GPU runs its radix search) and near 300.
     let b = one_step(&mut rng, &cfg, &[6000, 1190], &[2, 3], 1);
     let t = b.tokens_padded;
     let q = int_bf16(&mut rng, t * heads * dim, -3, 3);
@@ -322,8 +325,11 @@ fn bad_configs_and_views_are_errors(dev: &Device) {
         let e = Indexer::new(dev, &cfg, h, d, 8).expect_err("bad shape");
         assert!(matches!(e, AttentionError::Shape { op: "Indexer::new", .. }), "{e}");
     }
-    let e = Indexer::new(dev, &cfg, 4, 64, 0).expect_err("topk 0");
-    assert!(matches!(e, AttentionError::Config(ref m) if m.contains("index_topk")), "{e}");
+    for topk in [0, TOPK_MAX + 1] {
+        let e = Indexer::new(dev, &cfg, 4, 64, topk).expect_err("topk out of range");
+        assert!(matches!(e, AttentionError::Config(ref m) if m.contains("index_topk")), "{e}");
+    }
+    assert_eq!(Indexer::new(dev, &cfg, 4, 64, TOPK_MAX).expect("the largest top-k").topk(), TOPK_MAX);
     let mut odd = cfg;
     odd.kv_table.block_size = 18;
     assert!(matches!(Indexer::new(dev, &odd, 4, 64, 8), Err(AttentionError::Config(_))));
@@ -494,6 +500,133 @@ fn compressor_indexer_and_c4a_build_replay_equals_eager(dev: &Device) {
     assert_eq!(graph.replays(), 16);
 }
 
+/// The top-k kernel alone over `scores [visible.len(), width]`: row `t` sees `visible[t]` entries
+/// (`None`: a padding token). The output buffer is poisoned, one row longer than the launch
+/// writes; returns the written rows after checking that the extra row stayed poison.
+fn run_topk(dev: &Device, s: &Stream, width: usize, k: usize, scores: &[f32], visible: &[Option<usize>]) -> Vec<i32> {
+    let t = visible.len();
+    assert_eq!(scores.len(), t * width);
+    let kernel = dev.compile(indexer_source()).expect("compile").kernel("hf_dsv4_indexer_topk").expect("kernel");
+    // n_t = (pos + 1) / 4, so pos = 4 n + 2 gives n (and 0 for n = 0).
+    let pos: Vec<i32> = visible.iter().map(|v| v.map_or(0, |n| 4 * n as i32 + 2)).collect();
+    let slots: Vec<i32> = visible.iter().map(|v| if v.is_some() { 0 } else { -1 }).collect();
+    let req: Vec<i32> = visible.iter().map(|v| if v.is_some() { 0 } else { -1 }).collect();
+    let up = |l: &str, v: &[i32]| dev.alloc_from_slice(l, v, true).expect("upload");
+    let (pos, slots, req) = (up("t.pos", &pos), up("t.slots", &slots), up("t.req", &req));
+    let sc = dev.alloc_from_slice("t.scores", scores, true).expect("scores");
+    let out = dev.alloc_from_slice("t.out", &vec![POISON; (t + 1) * k], true).expect("out");
+    let args = [
+        (&sc.view()).into(),
+        (&pos.view()).into(),
+        (&slots.view()).into(),
+        (&req.view()).into(),
+        (&out.prefix(t * k).expect("out")).into(),
+        (t as u32).into(),
+        (width as u32).into(),
+        (k as u32).into(),
+    ];
+    s.launch(&kernel, topk_launch_config(t), &args).expect("launch");
+    let mut got = s.copy_to_host_sync(&out.view()).expect("read out");
+    assert!(got[t * k..].iter().all(|&v| v == POISON), "the top-k wrote past its {t} rows");
+    got.truncate(t * k);
+    got
+}
+
+/// The definition of the top-k order on f32 logits: value descending with `−0 == +0` and every
+/// NaN below every number, then index ascending; `-1` padded to `k`.
+fn sorted_topk_f32(row: &[f32], k: usize) -> Vec<i32> {
+    let rank = |a: f32, b: f32| match (a.is_nan(), b.is_nan()) {
+        (true, true) => std::cmp::Ordering::Equal,
+        (true, false) => std::cmp::Ordering::Less,
+        (false, true) => std::cmp::Ordering::Greater,
+        (false, false) => a.partial_cmp(&b).expect("numbers compare"),
+    };
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    order.sort_by(|&a, &b| rank(row[b], row[a]).then(a.cmp(&b)));
+    let mut r: Vec<i32> = order.into_iter().take(k).map(|c| c as i32).collect();
+    r.resize(k, -1);
+    r
+}
+
+/// Row value patterns for the top-k alone: mostly ties of every kind, plus distinct values that
+/// crowd into one histogram bin (the search re-reads the row) and plain spread values.
+const TIE_PATTERNS: [&str; 7] =
+    ["all equal", "three values", "signed zeros", "nan and inf", "crowded ties", "crowded distinct", "spread"];
+
+fn pattern_row(rng: &mut Rng, pattern: &str, n: usize) -> Vec<f32> {
+    let neg_nan = f32::from_bits(0xFFC0_0001);
+    (0..n)
+        .map(|i| match pattern {
+            "all equal" => 1.5,
+            "three values" => [-1.0, 0.25, 3.0][rng.below(3) as usize],
+            "signed zeros" => [-0.0, 0.0, -0.0, 0.0, -0.0, 0.0, -0.0, 0.0, 1.0, -1.0][rng.below(10) as usize],
+            "nan and inf" => match rng.below(8) {
+                0 => f32::NAN,
+                1 => neg_nan,
+                2 => f32::INFINITY,
+                3 => f32::NEG_INFINITY,
+                4 => -0.0,
+                5 => 0.0,
+                _ => uniform(rng, -2.0, 2.0),
+            },
+            // ~1300 distinct values of one quarter-octave: one first-level bin, many ties.
+            "crowded ties" => 100.0 + uniform(rng, 0.0, 0.01),
+            // Distinct consecutive floats of [1, 1.25), in a scrambled order.
+            "crowded distinct" => f32::from_bits(1.0f32.to_bits() + ((i as u32).wrapping_mul(40_503) & 0x1_FFFF)),
+            _ => uniform(rng, -4.0, 4.0),
+        })
+        .collect()
+}
+
+fn heavy_ties_nans_and_signed_zeros_give_the_sorted_order_bit_for_bit(dev: &Device) {
+    let mut rng = Rng(0x70_9C);
+    let s = dev.create_stream().expect("stream");
+    // An odd width: rows start at every alignment of a 16-byte vector.
+    let width = 70_001;
+    for k in [1usize, 512, 1024] {
+        let mut visible: Vec<Option<usize>> = [1, k - 1, k, k + 1, 5000, 70_000].map(Some).to_vec();
+        visible.insert(3, None);
+        for pattern in TIE_PATTERNS {
+            let mut scores = Vec::with_capacity(visible.len() * width);
+            for v in &visible {
+                let n = v.unwrap_or(0);
+                scores.extend(pattern_row(&mut rng, pattern, n));
+                scores.extend(std::iter::repeat_n(f32::NAN, width - n)); // never visible
+            }
+            let got = run_topk(dev, &s, width, k, &scores, &visible);
+            for (t, v) in visible.iter().enumerate() {
+                let n = v.unwrap_or(0);
+                let want = sorted_topk_f32(&scores[t * width..t * width + n], k);
+                assert_eq!(&got[t * k..(t + 1) * k], &want[..], "{pattern}, k {k}, row {t} with {v:?} entries");
+            }
+        }
+    }
+}
+
+fn a_top_k_row_does_not_depend_on_the_rest_of_the_batch(dev: &Device) {
+    let mut rng = Rng(0xB47C);
+    let s = dev.create_stream().expect("stream");
+    let (width, k) = (65_536, 1024);
+    // Values on a 1/64 grid: ties all over the row, and at the cut.
+    let a: Vec<f32> = (0..width).map(|_| (uniform(&mut rng, -8.0, 8.0) * 64.0).round() / 64.0).collect();
+    let alone = run_topk(dev, &s, width, k, &a, &[Some(width)]);
+    assert_eq!(alone, sorted_topk_f32(&a, k), "row A alone");
+    let mut visible = Vec::new();
+    let mut scores = Vec::new();
+    for r in 0..9 {
+        if r == 4 {
+            visible.push(Some(width));
+            scores.extend_from_slice(&a);
+            continue;
+        }
+        let pattern = TIE_PATTERNS[rng.below(TIE_PATTERNS.len() as u64) as usize];
+        visible.push(if r == 7 { None } else { Some(rng.below(width as u64 + 1) as usize) });
+        scores.extend(pattern_row(&mut rng, pattern, width));
+    }
+    let batched = run_topk(dev, &s, width, k, &scores, &visible);
+    assert_eq!(&batched[4 * k..5 * k], &alone[..], "row A changed with the batch");
+}
+
 holdfast_hal::device_suite!(
     integer_logits_select_the_exact_top_k_with_ties_to_the_lower_index,
     short_rows_empty_rows_and_padding_get_minus_one,
@@ -502,11 +635,43 @@ holdfast_hal::device_suite!(
     real_valued_logits_select_a_valid_top_k,
     a_row_does_not_depend_on_the_rest_of_the_batch,
     bad_configs_and_views_are_errors,
-    compressor_indexer_and_c4a_build_replay_equals_eager
+    compressor_indexer_and_c4a_build_replay_equals_eager,
+    heavy_ties_nans_and_signed_zeros_give_the_sorted_order_bit_for_bit,
+    a_top_k_row_does_not_depend_on_the_rest_of_the_batch
 );
+
+/// One top-k block per token up to the grid limit (then grid-stride), whatever the row lengths.
+#[test]
+fn the_top_k_launch_shape_follows_the_padded_token_count_only() {
+    for (t, grid) in [(0, 1), (1, 1), (64, 64), (65_535, 65_535), (70_000, 65_535)] {
+        let cfg = topk_launch_config(t);
+        assert_eq!((cfg.grid, cfg.block, cfg.shared_mem_bytes), ((grid, 1, 1), (TOPK_THREADS, 1, 1), 0), "{t}");
+    }
+}
 
 #[cfg(feature = "cuda")]
 #[test]
 fn indexer_kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_attention::indexer_source());
+}
+
+/// Both warp widths compile, and the top-k keeps its loaded vectors and digit state in registers
+/// (no local memory in its PTX) and reads the row as 16-byte vectors.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_top_k_compiles_at_both_warp_widths_without_local_memory() {
+    use holdfast_hal::cuda;
+    if let Some(reason) = cuda::nvrtc_unavailable_reason() {
+        assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here: {reason}");
+        eprintln!("skipped: NVRTC is not available ({reason})");
+        return;
+    }
+    for warp in [32, 64] {
+        let (cubin, ptx) = cuda::compile(indexer_source(), "sm_90", warp).expect("compiles");
+        assert!(!cubin.is_empty(), "no CUBIN at warp {warp}");
+        let ptx = String::from_utf8_lossy(&ptx);
+        let entry = ptx.split(".entry ").find(|e| e.starts_with("hf_dsv4_indexer_topk")).expect("the top-k entry");
+        assert!(!entry.contains(".local"), "the top-k uses local memory at warp {warp}");
+        assert!(entry.lines().any(|l| l.contains("ld.global") && l.contains(".v4.")), "no 16-byte row loads");
+    }
 }

@@ -1,0 +1,70 @@
+//! The c4a indexer's top-k alone (`hf_dsv4_indexer_topk` over a filled logit workspace): 64 rows
+//! of 65536 candidates (a 256K-token context) with top-512 and top-1024, for logits spread over
+//! a few octaves and for logits crowded into one octave (the search re-reads the row more often).
+//! Throughput is in rows (tokens) per second. `HOLDFAST_DEVICE` picks the device (default `cpu`,
+//! where only a tiny shape runs).
+
+use std::time::Instant;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use holdfast_attention::indexer::topk_launch_config;
+use holdfast_attention::indexer_source;
+use holdfast_hal::{BackendKind, Device};
+
+/// xorshift64 in [0, 1).
+fn unit(state: &mut u64) -> f32 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    (*state >> 40) as f32 / (1u64 << 24) as f32
+}
+
+fn bench(c: &mut Criterion) {
+    let name = std::env::var("HOLDFAST_DEVICE").unwrap_or_else(|_| "cpu".into());
+    let dev = Device::open(&name).unwrap_or_else(|e| panic!("HOLDFAST_DEVICE={name}: {e}"));
+    let gpu = dev.backend() != BackendKind::Cpu;
+    let s = dev.create_stream().expect("stream");
+    let kernel = dev.compile(indexer_source()).expect("compile").kernel("hf_dsv4_indexer_topk").expect("kernel");
+    let (rows, width, ks): (usize, usize, &[usize]) = if gpu { (64, 65_536, &[512, 1024]) } else { (4, 4096, &[512]) };
+    let mut g = c.benchmark_group(format!("indexer_topk/{}", dev.backend()));
+    g.throughput(Throughput::Elements(rows as u64));
+    for (tag, spread) in [("spread", true), ("one_octave", false)] {
+        let mut st = 0x2545_f491_4f6c_dd1d_u64;
+        // Spread: a bell of sums of uniforms over [0, 8); one octave: uniform in [1, 2).
+        let scores: Vec<f32> = (0..rows * width)
+            .map(|_| if spread { (0..4).map(|_| 2.0 * unit(&mut st)).sum() } else { 1.0 + unit(&mut st) })
+            .collect();
+        let scores = dev.alloc_from_slice("bench.scores", &scores, true).expect("scores");
+        // Every row sees all `width` entries: n_t = (pos + 1) / 4.
+        let pos = dev.alloc_from_slice("bench.pos", &vec![4 * width as i32 - 1; rows], true).expect("pos");
+        let zeros = dev.alloc_from_slice("bench.zeros", &vec![0i32; rows], true).expect("zeros");
+        for &k in ks {
+            let out = dev.alloc_zeroed::<i32>("bench.out", rows * k, true).expect("out");
+            let args = [
+                (&scores.view()).into(),
+                (&pos.view()).into(),
+                (&zeros.view()).into(),
+                (&zeros.view()).into(),
+                (&out.view()).into(),
+                (rows as u32).into(),
+                (width as u32).into(),
+                (k as u32).into(),
+            ];
+            g.bench_function(BenchmarkId::new(format!("{tag}_n{width}_top{k}"), rows), |b| {
+                b.iter_custom(|iters| {
+                    s.synchronize().expect("sync");
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        s.launch(&kernel, topk_launch_config(rows), &args).expect("launch");
+                    }
+                    s.synchronize().expect("sync");
+                    t.elapsed()
+                })
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
