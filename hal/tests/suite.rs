@@ -284,6 +284,16 @@ fn bad_arguments_are_precise_errors(dev: &Device) {
         .launch(&k, LaunchConfig::blocks(1, 2048), &[(&x).into(), (&x).into(), 1.0f32.into(), 8u32.into()])
         .expect_err("block");
     assert!(matches!(err, HalError::InvalidLaunch { .. }));
+    // Dynamic shared memory: the device's whole limit is usable, one byte more is refused up front.
+    let max = dev.info().max_shared_mem_per_block;
+    assert!(max >= 48 * 1024, "{max} bytes of shared memory per block");
+    let args: [Arg; 4] = [(&x).into(), (&x).into(), 1.0f32.into(), 8u32.into()];
+    let at = |bytes: u32| LaunchConfig { shared_mem_bytes: bytes, ..cfg(8) };
+    s.launch(&k, at(max), &args).expect("the whole shared memory limit");
+    let err = s.launch(&k, at(max + 1), &args).expect_err("over the limit");
+    assert!(matches!(err, HalError::InvalidLaunch { .. }), "{err}");
+    assert!(err.to_string().contains("dynamic shared memory"), "{err}");
+    s.synchronize().expect("the accepted launch ran");
     assert!(matches!(module(dev).kernel("nope"), Err(HalError::UnknownKernel { .. })));
     assert!(matches!(x.slice(4, 5), Err(HalError::InvalidView { offset: 4, len: 5, capacity: 8, .. })));
     assert!(matches!(x.slice(usize::MAX, 2), Err(HalError::InvalidView { .. })));
