@@ -5,7 +5,8 @@
 #
 #   benches/gpu-report.sh [OUT_DIR] [gpu-report options…]     e.g.  benches/gpu-report.sh /tmp/r --only mhc,dense
 #
-# The device is $HOLDFAST_DEVICE (default cuda:0). Files: plan.json, torch.json (if torch ran),
+# The device is $HOLDFAST_DEVICE (default cuda:0); GPU_REPORT_BIN skips the build and runs that
+# binary instead. Files: plan.json, torch.json (if torch ran),
 # report.json, report.txt (the table as printed).
 set -euo pipefail
 
@@ -19,8 +20,12 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 device="${HOLDFAST_DEVICE:-cuda:0}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target}"
 
-cargo build --release --manifest-path "$root/Cargo.toml" -p holdfast-benches --features cuda
-bin="$CARGO_TARGET_DIR/release/gpu-report"
+# GPU_REPORT_BIN names a prebuilt binary (a GPU host without a Rust toolchain); else build here.
+bin="${GPU_REPORT_BIN:-}"
+if [[ -z "$bin" ]]; then
+    cargo build --release --manifest-path "$root/Cargo.toml" -p holdfast-benches --features cuda
+    bin="$CARGO_TARGET_DIR/release/gpu-report"
+fi
 
 quick=()
 only=""
