@@ -138,38 +138,8 @@ HF_KERNEL void hf_sparse_attn_bf16(const hf_bf16* q, const hf_bf16* main_cache, 
 #define HF_MMA_MAXKS 8
 #define HF_MMA_MAXNT 16
 
-#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+#if defined(HF_HAS_MMA)
 #define HF_ATTN_MMA 1
-__device__ __forceinline__ uint32_t hf_smem_addr(const void* p) {
-    uint32_t r;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-__device__ __forceinline__ void hf_cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void hf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void hf_cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
-__device__ __forceinline__ void hf_ldsm_x4(uint32_t a, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
-}
-__device__ __forceinline__ void hf_ldsm_x2(uint32_t a, uint32_t& r0, uint32_t& r1) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(a) : "memory");
-}
-__device__ __forceinline__ void hf_ldsm_x4_t(uint32_t a, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
-}
-// c += a · b for one m16n8k16 tile (row-major A, column-major B, f32 accumulators).
-__device__ __forceinline__ void hf_mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-__device__ __forceinline__ uint32_t hf_pack_bf16x2(float lo, float hi) {
-    return (uint32_t)hf_f32_to_bf16(lo).bits | ((uint32_t)hf_f32_to_bf16(hi).bits << 16);
-}
 
 template <int MG, int D>
 __device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q, const hf_bf16* __restrict__ main_cache,

@@ -5,7 +5,9 @@
 // Provides: fixed-width integer types; `hf_bf16` / `hf_f16` 16-bit storage types with
 // round-to-nearest-even f32 conversions (bit-identical to the `half` crate); HF_WARP_SIZE (32 on
 // NVIDIA, 64 on CDNA; the HAL passes -DHF_WARP_SIZE=<device warp size>); warp shuffles and
-// warp-wide sum/max; HF_KERNEL for `extern "C" __global__`.
+// warp-wide sum/max; HF_KERNEL for `extern "C" __global__`; on NVIDIA sm_80+ (HF_HAS_MMA) the
+// tensor-core primitives: cp.async 16-byte copies into shared memory, ldmatrix, and the bf16
+// m16n8k16 mma with f32 accumulators.
 #pragma once
 #if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
 #define HF_HIP 1
@@ -59,3 +61,43 @@ __device__ __forceinline__ float hf_warp_max(float v) {
     for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) v = fmaxf(v, hf_shfl_xor(v, m));
     return v;
 }
+
+#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+#define HF_HAS_MMA 1
+// The 32-bit shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t hf_smem_addr(const void* p) {
+    uint32_t r;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+// 16 bytes global -> shared, asynchronously; bytes past `src_bytes` (0 or 16) are zero-filled.
+__device__ __forceinline__ void hf_cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void hf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N committed cp.async groups of this thread are still in flight.
+template <int N>
+__device__ __forceinline__ void hf_cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void hf_cp_async_wait_all() { hf_cp_async_wait<0>(); }
+__device__ __forceinline__ void hf_ldsm_x4(uint32_t a, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
+}
+__device__ __forceinline__ void hf_ldsm_x2(uint32_t a, uint32_t& r0, uint32_t& r1) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r0), "=r"(r1) : "r"(a) : "memory");
+}
+__device__ __forceinline__ void hf_ldsm_x4_t(uint32_t a, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(a) : "memory");
+}
+// c += a · b for one m16n8k16 tile (row-major A, column-major B, f32 accumulators). Element
+// (i, j) of the result depends on row i of A, column j of B and c[i][j] only.
+__device__ __forceinline__ void hf_mma_bf16(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t hf_pack_bf16x2(float lo, float hi) {
+    return (uint32_t)hf_f32_to_bf16(lo).bits | ((uint32_t)hf_f32_to_bf16(hi).bits << 16);
+}
+#endif
