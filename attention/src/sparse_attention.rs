@@ -31,8 +31,7 @@ use std::sync::OnceLock;
 
 use crate::error::{AttentionError, Result};
 use holdfast_hal::{
-    bf16, BackendKind, CpuLaunch, Device, Kernel, KernelEntry, KernelSource, LaunchConfig, Param, ScalarKind, Stream,
-    View,
+    bf16, CpuLaunch, Device, Kernel, KernelEntry, KernelSource, LaunchConfig, Param, ScalarKind, Stream, View,
 };
 use rayon::prelude::*;
 
@@ -597,12 +596,7 @@ pub struct SparseAttention {
 /// of [`TENSOR_CORE_HEAD_DIMS`], and room for the 32-head block's shared memory.
 fn tensor_cores_fit(dev: &Device, head_dim: usize) -> bool {
     let info = dev.info();
-    let sm = info
-        .arch
-        .strip_prefix("sm_")
-        .and_then(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<u32>().ok());
-    info.backend == BackendKind::Cuda
-        && sm.is_some_and(|v| v >= 80)
+    holdfast_kernels::has_bf16_tensor_cores(info)
         && MMA_DIMS.contains(&head_dim)
         && mma_shared_bytes(2, head_dim) <= info.max_shared_mem_per_block as usize
 }

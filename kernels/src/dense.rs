@@ -2,14 +2,26 @@
 //! embedding lookup, argmax, row repeat.
 //!
 //! ## Numerics and batch invariance
-//! bf16 storage, f32 math. Each output's reduction order is fixed by the op and never depends on
-//! the number of rows in the launch, on the grid, on padding, or on which of the two matmul kernels
-//! runs: no split-K, no atomics. So row r of a T = 37 launch equals the same row of a T = 1 launch
-//! bit for bit, and a captured launch replays exactly what ran eagerly.
+//! bf16 storage, f32 math. Each output's reduction order is fixed by the op and the shape and never
+//! depends on the number of rows in the launch, on the grid, on padding, or on which kernel of the
+//! path runs; no atomics. So row r of a T = 37 launch equals the same row of a T = 1 launch bit
+//! for bit, and a captured launch replays exactly what ran eagerly.
 //!
-//! - **matmul**: `acc = 0; for k in 0..K { acc = fmaf(x[k], w[k], acc) }`, one chain per output,
-//!   then (for bf16 out) one round to nearest even. The CPU reference runs the same chain with
-//!   `f32::mul_add`, so CPU and GPU agree bit for bit.
+//! - **matmul**, two paths, picked per [`DenseKernels`] ([`MatmulKernel`]) and, for the tensor
+//!   cores, per call site by `k % 8 == 0` and 8-element-aligned views (a function of the shape and
+//!   the views, never of t or the data):
+//!   - *tensor cores* (NVIDIA sm_80+, [`MatmulKernel::Auto`]): the **split order** — k cut into
+//!     [`mma_splits`]`(k)` ranges (a function of k alone); per range an f32 accumulator from 0
+//!     through bf16 `mma.sync` m16n8k16 steps in k order; the ranges summed in order from 0; one
+//!     round to nearest even for bf16 out. Both block shapes (16 and 64 rows) run the same steps
+//!     per output, and an mma's output element depends only on its own row and column, so rows
+//!     are batch-invariant. The CPU reference of these entries runs the same ranges as `mul_add`
+//!     chains; the hardware's order inside one 16-wide step differs, so device and reference agree
+//!     to f32 rounding, not bit for bit.
+//!   - *SIMT* (every backend; the CPU backend's matmul): `acc = 0; for k in 0..K { acc =
+//!     fmaf(x[k], w[k], acc) }`, one chain per output, then (for bf16 out) one round to nearest
+//!     even. The CPU reference runs the same chain with `f32::mul_add`, so CPU and GPU agree bit
+//!     for bit.
 //! - **rms_norm**: 256 partial sums of squares (thread j takes columns j, j + 256, …, each an
 //!   `fmaf` chain), a fixed shared-memory tree, `inv = 1 / sqrt(ss / dim + eps)` with IEEE division
 //!   and square root, `y = (x · inv) · w`; the CPU reference does the same, bit for bit.
@@ -19,7 +31,16 @@
 //!   (tests compare them with a tolerance). Batch invariance still holds exactly on each backend.
 //!
 //! ## The matmul kernels
-//! Two SIMT kernels (no tensor cores), chosen by t alone ([`Gemm::uses_small_t_kernel`]):
+//! The tensor-core kernels (`dense_mma.cu`): a block of 8 warps covers 16 (t ≤ 16) or 64 rows
+//! and `16 · 8 / splits` output columns; warp w takes k range `w % splits` and 16 columns, streams
+//! its own x and w tiles (32 k per stage, four or three stages in flight) into its own slice of
+//! shared memory with `cp.async`, reads fragments with `ldmatrix`, and at the end the block sums
+//! the ranges in order. Splitting k across warps gives decode-sized shapes enough loads in flight
+//! to stream the weights (n = 1024, k = 4096 runs 64 blocks of 8 warps instead of 8 columns
+//! panels); [`Gemm::mma_launch_config`] has the grid.
+//!
+//! Two SIMT kernels (no tensor cores; ROCm, the CPU backend, [`MatmulKernel::Portable`], and
+//! calls the tensor cores do not take), chosen by t alone ([`Gemm::uses_small_t_kernel`]):
 //!
 //! - **Tiled** (`t > 8`): block tile 32 rows (tokens) × 128 columns (outputs), k in steps of 32;
 //!   256 threads, each with a 4 × 4 register tile. Tiles of x and w are loaded as bf16 (w with
@@ -54,10 +75,12 @@
 //! criterion bench (`benches/dense.rs`, t = 1, 8 and 64) times both kernels. Both grids depend only on the sizes,
 //! so launches are capturable. Any t, n, k (partial tiles are guarded).
 
-use holdfast_hal::{bf16, Device, Kernel, LaunchConfig, Stream, View};
+use holdfast_hal::{bf16, BackendKind, Device, DeviceInfo, Kernel, LaunchConfig, Stream, View};
 
 use crate::dense_source::{dense_source, ARGMAX_THREADS, MATMUL_BM, MATMUL_BN, MATMUL_THREADS, NORM_THREADS};
-pub use crate::dense_source::{MATMUL_SMALL_T_BN, MATMUL_SMALL_T_MAX, MATMUL_SMALL_T_THREADS};
+pub use crate::dense_source::{
+    mma_splits, MATMUL_MMA_SMALL_T_MAX, MATMUL_MMA_WARPS, MATMUL_SMALL_T_BN, MATMUL_SMALL_T_MAX, MATMUL_SMALL_T_THREADS,
+};
 use crate::{shape, u32_of, Result};
 
 /// Shape of a (grouped) matmul: `x [t, groups, k] · w[g] [n, k]ᵀ → y [t, groups, n]`, with `w`
@@ -111,6 +134,68 @@ impl Gemm {
     }
 }
 
+/// Bf16 elements per row of a tensor-core matmul stage in shared memory (32 k + 8 padding).
+const MMA_PITCH: usize = 40;
+
+impl Gemm {
+    /// Rows of x per tensor-core block: 16 for `t ≤ 16`, else 64.
+    pub const fn mma_rows_per_block(&self) -> usize {
+        if self.t <= MATMUL_MMA_SMALL_T_MAX {
+            16
+        } else {
+            64
+        }
+    }
+
+    /// The launch configuration of the tensor-core kernels: 256 threads; grid
+    /// `(⌈n / (16 · 8 / splits)⌉, ⌈t / rows⌉, groups)` with `rows` from
+    /// [`Gemm::mma_rows_per_block`] and `splits` from [`mma_splits`]; dynamic shared memory for
+    /// the stages (four of 32 rows × 80 bytes per warp at 16 rows, three of 80 rows at 64).
+    pub fn mma_launch_config(&self) -> LaunchConfig {
+        let dim = |v: usize, tile: usize| v.div_ceil(tile).max(1).min(u32::MAX as usize) as u32;
+        let (splits, _) = mma_splits(self.k);
+        let rows = self.mma_rows_per_block();
+        LaunchConfig {
+            grid: (dim(self.n, 16 * (MATMUL_MMA_WARPS / splits)), dim(self.t, rows), dim(self.groups, 1)),
+            block: (32 * MATMUL_MMA_WARPS as u32, 1, 1),
+            shared_mem_bytes: mma_shared_bytes(rows) as u32,
+        }
+    }
+}
+
+/// Dynamic shared memory of a tensor-core matmul block of `rows` rows: the warps' stages, which
+/// the end-of-block reduction reuses.
+pub const fn mma_shared_bytes(rows: usize) -> usize {
+    let stages = if rows <= 16 { 4 } else { 3 };
+    let pipeline = MATMUL_MMA_WARPS * stages * (rows + 16) * MMA_PITCH * 2;
+    let reduction = MATMUL_MMA_WARPS * rows * 16 * 4;
+    if pipeline > reduction {
+        pipeline
+    } else {
+        reduction
+    }
+}
+
+/// Whether `info` is an NVIDIA device with bf16 tensor cores (`mma.sync` m16n8k16, sm_80 or newer).
+pub fn has_bf16_tensor_cores(info: &DeviceInfo) -> bool {
+    let sm = info
+        .arch
+        .strip_prefix("sm_")
+        .and_then(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<u32>().ok());
+    info.backend == BackendKind::Cuda && sm.is_some_and(|v| v >= 80)
+}
+
+/// Which matmul kernels [`DenseKernels`] runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MatmulKernel {
+    /// Tensor cores where the device has them ([`has_bf16_tensor_cores`] and room for the
+    /// 64-row block's shared memory), in the split order; the SIMT chain kernels elsewhere.
+    #[default]
+    Auto,
+    /// The SIMT kernels (one FMA chain per output, bit for bit the CPU reference) on every device.
+    Portable,
+}
+
 /// Checks `a · b · …` for overflow.
 fn product(op: &'static str, dims: &[usize]) -> Result<usize> {
     dims.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)).ok_or_else(|| shape(op, format!("{dims:?} overflows")))
@@ -141,6 +226,8 @@ pub struct DenseKernels {
     matmul_f32: Kernel,
     matmul_small_t_bf16: Kernel,
     matmul_small_t_f32: Kernel,
+    /// Tensor-core entries `[16-row bf16, 16-row f32, 64-row bf16, 64-row f32]`, when selected.
+    mma: Option<[Kernel; 4]>,
     rms_norm: Kernel,
     rope: Kernel,
     swiglu: Kernel,
@@ -153,8 +240,28 @@ impl DenseKernels {
     /// Compiles (or fetches from the device's cache) the dense kernel source for `dev`. Not
     /// allowed during capture (compilation never is).
     pub fn new(dev: &Device) -> Result<Self> {
+        Self::with_matmul(dev, MatmulKernel::Auto)
+    }
+
+    /// As [`DenseKernels::new`], choosing the matmul kernels.
+    pub fn with_matmul(dev: &Device, matmul: MatmulKernel) -> Result<Self> {
         let m = dev.compile(dense_source())?;
+        let info = dev.info();
+        let mma = if matmul == MatmulKernel::Auto
+            && has_bf16_tensor_cores(info)
+            && mma_shared_bytes(64) <= info.max_shared_mem_per_block as usize
+        {
+            Some([
+                m.kernel("hf_matmul_mma16_bf16")?,
+                m.kernel("hf_matmul_mma16_f32")?,
+                m.kernel("hf_matmul_mma64_bf16")?,
+                m.kernel("hf_matmul_mma64_f32")?,
+            ])
+        } else {
+            None
+        };
         Ok(DenseKernels {
+            mma,
             matmul_bf16: m.kernel("hf_matmul_bf16")?,
             matmul_f32: m.kernel("hf_matmul_f32")?,
             matmul_small_t_bf16: m.kernel("hf_matmul_small_t_bf16")?,
@@ -168,11 +275,23 @@ impl DenseKernels {
         })
     }
 
+    /// True when the matmuls run on tensor cores (for views and shapes they accept: `k % 8 == 0`
+    /// and `x`, `w` starting at a multiple of 8 elements; other calls run the SIMT kernels).
+    pub fn uses_tensor_cores(&self) -> bool {
+        self.mma.is_some()
+    }
+
+    /// True when a matmul of `g` over `x` and `w` runs on tensor cores: a function of the shape and
+    /// the views' offsets, never of the data.
+    pub fn matmul_uses_tensor_cores(&self, x: &View<bf16>, w: &View<bf16>, g: Gemm) -> bool {
+        self.mma.is_some() && g.k.is_multiple_of(8) && x.offset().is_multiple_of(8) && w.offset().is_multiple_of(8)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn gemm(
         &self,
         op: &'static str,
-        (tiled, small_t): (&Kernel, &Kernel),
+        (tiled, small_t, f32_out): (&Kernel, &Kernel, bool),
         s: &Stream,
         x: &View<bf16>,
         w: &View<bf16>,
@@ -206,24 +325,33 @@ impl DenseKernels {
             u32_of(op, "k", g.k)?.into(),
             u32_of(op, "groups", g.groups)?.into(),
         ];
+        if let (Some(mma), true) = (&self.mma, self.matmul_uses_tensor_cores(x, w, g)) {
+            let (splits, split_len) = mma_splits(g.k);
+            let kernel = &mma[usize::from(f32_out) + if g.mma_rows_per_block() == 16 { 0 } else { 2 }];
+            let mut margs = args.to_vec();
+            margs.push(u32_of(op, "splits", splits)?.into());
+            margs.push(u32_of(op, "split_len", split_len)?.into());
+            s.launch(kernel, g.mma_launch_config(), &margs)?;
+            return Ok(());
+        }
         let kernel = if g.uses_small_t_kernel() { small_t } else { tiled };
         s.launch(kernel, g.launch_config(), &args)?;
         Ok(())
     }
 
     /// `y [t, groups, n] = x [t, groups, k] · w [groups, n, k]ᵀ` per group: bf16 inputs, f32
-    /// accumulation (one `fmaf` chain over k per output), bf16 output rounded to nearest even.
-    /// Views may be longer than the shape needs (prefixes of persistent buffers). `t ≤ 8` runs the
-    /// small-t kernel, larger `t` the tiled one, with the same bits.
+    /// accumulation (the split order on tensor cores, else one `fmaf` chain over k per output; see
+    /// the module docs), bf16 output rounded to nearest even. Views may be longer than the shape
+    /// needs (prefixes of persistent buffers). Every t gives a row the same bits.
     pub fn matmul(&self, s: &Stream, x: &View<bf16>, w: &View<bf16>, y: &View<bf16>, g: Gemm) -> Result<()> {
-        let kernels = (&self.matmul_bf16, &self.matmul_small_t_bf16);
+        let kernels = (&self.matmul_bf16, &self.matmul_small_t_bf16, false);
         self.gemm("matmul", kernels, s, x, w, y.into(), y.len(), g)
     }
 
     /// As [`DenseKernels::matmul`] with an f32 output `y [t, groups, n]` (logits, compressor
     /// projections): the same accumulator, not rounded.
     pub fn matmul_f32(&self, s: &Stream, x: &View<bf16>, w: &View<bf16>, y: &View<f32>, g: Gemm) -> Result<()> {
-        let kernels = (&self.matmul_f32, &self.matmul_small_t_f32);
+        let kernels = (&self.matmul_f32, &self.matmul_small_t_f32, true);
         self.gemm("matmul_f32", kernels, s, x, w, y.into(), y.len(), g)
     }
 

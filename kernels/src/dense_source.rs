@@ -12,7 +12,7 @@ use std::sync::OnceLock;
 use holdfast_hal::{bf16, CpuLaunch, KernelEntry, KernelSource, Param, Result, ScalarKind};
 use rayon::prelude::*;
 
-const CODE: &str = include_str!("dense.cu");
+const CODE: &str = concat!(include_str!("dense.cu"), include_str!("dense_mma.cu"));
 
 /// Rows of a matmul block tile (tokens).
 pub const MATMUL_BM: usize = 32;
@@ -26,6 +26,25 @@ pub const MATMUL_SMALL_T_MAX: usize = 8;
 pub const MATMUL_SMALL_T_BN: usize = 128;
 /// Threads of a small-t matmul block.
 pub const MATMUL_SMALL_T_THREADS: u32 = 128;
+/// Warps of a tensor-core matmul block (each takes one k range and 16 output columns).
+pub const MATMUL_MMA_WARPS: usize = 8;
+/// Most token rows that run the 16-row tensor-core matmul block; larger `t` runs 64-row blocks.
+pub const MATMUL_MMA_SMALL_T_MAX: usize = 16;
+
+/// The split order's k ranges for reduction length `k`: `(splits, split_len)`. One range below
+/// k = 1024, else the largest power of two ≤ k / 512, at most [`MATMUL_MMA_WARPS`]; ranges of
+/// `⌈k / splits⌉` rounded up to 32 (the last one ends at k, and may be empty). A function of k
+/// alone, so every t, tile and grid sums in the same order.
+pub const fn mma_splits(k: usize) -> (usize, usize) {
+    let mut splits = 1;
+    if k >= 1024 {
+        while splits * 2 <= k / 512 && splits * 2 <= MATMUL_MMA_WARPS {
+            splits *= 2;
+        }
+    }
+    (splits, k.div_ceil(splits).div_ceil(32) * 32)
+}
+
 /// Threads of an `rms_norm` block (one block per row); also the number of partial sums the CPU
 /// reference forms, in the same order.
 pub const NORM_THREADS: usize = 256;
@@ -197,6 +216,47 @@ fn matmul_cpu(l: &CpuLaunch<'_>) -> Result<Vec<f32>> {
     Ok(y)
 }
 
+/// The tensor-core kernels' split order (`splits` and `split_len` in arguments 7 and 8): per k
+/// range an f32 `mul_add` chain from 0, then the ranges summed in order from 0. The device sums
+/// each 16-wide k step inside an mma, whose internal order is the hardware's, so the device agrees
+/// with this reference to f32 rounding (a few ulps), not bit for bit.
+fn matmul_split_cpu(l: &CpuLaunch<'_>) -> Result<Vec<f32>> {
+    let (x, w) = (l.ptr::<bf16>(0)?, l.ptr::<bf16>(1)?);
+    let (t, n, k, groups) = (l.count(3)?, l.count(4)?, l.count(5)?, l.count(6)?);
+    let (splits, split_len) = (l.count(7)?.max(1), l.count(8)?);
+    let xs = to_f32(x.read(0, t * groups * k)?);
+    let mut y = vec![0f32; t * groups * n];
+    for g in 0..groups {
+        let wg = to_f32(w.read(g * n * k, n * k)?);
+        for sp in 0..splits {
+            let (kb, ke) = ((sp * split_len).min(k), ((sp + 1) * split_len).min(k));
+            let len = ke - kb;
+            let xr: Vec<f32> =
+                (0..t).flat_map(|m| xs[(m * groups + g) * k + kb..(m * groups + g) * k + ke].iter().copied()).collect();
+            let wr: Vec<f32> = (0..n).flat_map(|c| wg[c * k + kb..c * k + ke].iter().copied()).collect();
+            let part = if len == 0 { vec![0f32; t * n] } else { gemm_f32(&xr, &wr, t, n, len) };
+            for m in 0..t {
+                for (o, p) in
+                    y[(m * groups + g) * n..(m * groups + g + 1) * n].iter_mut().zip(&part[m * n..(m + 1) * n])
+                {
+                    *o += p;
+                }
+            }
+        }
+    }
+    Ok(y)
+}
+
+fn matmul_mma_bf16(l: &CpuLaunch<'_>) -> Result<()> {
+    let out: Vec<bf16> = matmul_split_cpu(l)?.into_iter().map(bf16::from_f32).collect();
+    l.ptr::<bf16>(2)?.write(0, &out)
+}
+
+fn matmul_mma_f32(l: &CpuLaunch<'_>) -> Result<()> {
+    let y = matmul_split_cpu(l)?;
+    l.ptr::<f32>(2)?.write(0, &y)
+}
+
 fn matmul_bf16(l: &CpuLaunch<'_>) -> Result<()> {
     let y = matmul_cpu(l)?;
     let out: Vec<bf16> = y.into_iter().map(bf16::from_f32).collect();
@@ -344,7 +404,8 @@ fn repeat_rows(l: &CpuLaunch<'_>) -> Result<()> {
 
 /// The dense ops' source: `hf_matmul_bf16`, `hf_matmul_f32` (tiled), `hf_matmul_small_t_bf16`,
 /// `hf_matmul_small_t_f32` (decode-sized t; the same chains, so the same CPU references as the tiled
-/// pair), `hf_rms_norm_bf16`, `hf_rope_bf16`, `hf_swiglu_bf16`, `hf_embed_bf16`, `hf_argmax_f32`,
+/// pair), `hf_matmul_mma{16,64}_{bf16,f32}` (tensor cores, the split order; empty where the target
+/// has none), `hf_rms_norm_bf16`, `hf_rope_bf16`, `hf_swiglu_bf16`, `hf_embed_bf16`, `hf_argmax_f32`,
 /// `hf_repeat_rows_bf16`, each with its CPU reference (argument lists as in `dense.cu`; launch them through [`crate::DenseKernels`]).
 pub fn dense_source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
@@ -356,6 +417,21 @@ pub fn dense_source() -> &'static KernelSource {
             params: vec![Param::input::<bf16>("x"), Param::input::<bf16>("w"), y, u("t"), u("n"), u("k"), u("groups")],
             cpu,
         };
+        let mma = |name, cpu, y: Param| KernelEntry {
+            name,
+            params: vec![
+                Param::input::<bf16>("x"),
+                Param::input::<bf16>("w"),
+                y,
+                u("t"),
+                u("n"),
+                u("k"),
+                u("groups"),
+                u("splits"),
+                u("split_len"),
+            ],
+            cpu,
+        };
         KernelSource {
             name: "holdfast_dense",
             code: CODE,
@@ -365,6 +441,10 @@ pub fn dense_source() -> &'static KernelSource {
                 // The small-t kernels compute the same chains, so they share the references.
                 mm("hf_matmul_small_t_bf16", matmul_bf16, Param::output::<bf16>("y")),
                 mm("hf_matmul_small_t_f32", matmul_f32, Param::output::<f32>("y")),
+                mma("hf_matmul_mma16_bf16", matmul_mma_bf16, Param::output::<bf16>("y")),
+                mma("hf_matmul_mma16_f32", matmul_mma_f32, Param::output::<f32>("y")),
+                mma("hf_matmul_mma64_bf16", matmul_mma_bf16, Param::output::<bf16>("y")),
+                mma("hf_matmul_mma64_f32", matmul_mma_f32, Param::output::<f32>("y")),
                 KernelEntry {
                     name: "hf_rms_norm_bf16",
                     params: vec![

@@ -4,11 +4,14 @@
 //! t ∈ {1, 2, 5, 8, 9} at odd n and k, both w load paths, groups 2); batch invariance bit for bit
 //! (a row of a t = 37 launch equals it in t = 1, t = 3 and t = 64 launches, crossing the two
 //! kernels); argmax ties and NaN; embed with out-of-range ids;
-//! shape errors before launch; graph replay equal to eager. Written once against `&Device`.
+//! shape errors before launch; graph replay equal to eager. The tensor-core matmul (where the
+//! device has one) against the f64 reference and its split order at decode and prefill shapes,
+//! rows bit-identical across t = 1 … 300 (both of its block shapes), poisoned outputs. Written
+//! once against `&Device`.
 
-use holdfast_hal::{bf16, Buffer, Device, Element, Stream, View};
-use holdfast_kernels::dense::MATMUL_SMALL_T_MAX;
-use holdfast_kernels::{DenseKernels, Gemm, KernelsError};
+use holdfast_hal::{bf16, BackendKind, Buffer, Device, Element, Stream, View};
+use holdfast_kernels::dense::{mma_splits, MATMUL_MMA_SMALL_T_MAX, MATMUL_SMALL_T_MAX};
+use holdfast_kernels::{DenseKernels, Gemm, KernelsError, MatmulKernel};
 
 /// Unwritten bf16 outputs read as this NaN pattern.
 const POISON_BF16: u16 = 0xFFFF;
@@ -116,7 +119,13 @@ const SHAPES: [Gemm; 7] = [
 ];
 
 fn matmul_matches_the_f64_reference_at_odd_shapes(dev: &Device) {
-    let dk = DenseKernels::new(dev).expect("kernels");
+    for kind in [MatmulKernel::Portable, MatmulKernel::Auto] {
+        matmul_odd_shapes(dev, kind);
+    }
+}
+
+fn matmul_odd_shapes(dev: &Device, kind: MatmulKernel) {
+    let dk = DenseKernels::with_matmul(dev, kind).expect("kernels");
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(3);
     for g in SHAPES {
@@ -140,6 +149,10 @@ fn matmul_matches_the_f64_reference_at_odd_shapes(dev: &Device) {
         assert!(got[len..].iter().all(|v| v.to_bits() == POISON_BF16), "{g:?}: nothing written past y");
         assert!(gotf[len..].iter().all(|v| v.to_bits() == 0xFFFF_FFFF), "{g:?}: nothing written past y (f32)");
         // The defined order, bit for bit, on every backend; bf16 out is its rounding.
+        if dk.matmul_uses_tensor_cores(&x.view(), &w.view(), g) {
+            check_split_order(&gotf[..len], &got[..len], &xh, &wh, g);
+            continue;
+        }
         let chain = matmul_chain(&xh, &wh, g);
         let gotf_bits: Vec<u32> = gotf[..len].iter().map(|v| v.to_bits()).collect();
         assert_eq!(gotf_bits, chain.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{g:?}: f32 FMA chain");
@@ -206,7 +219,7 @@ fn check_chain(dk: &DenseKernels, dev: &Device, s: &Stream, x: &View<bf16>, w: &
 }
 
 fn matmul_small_t_is_the_fma_chain_bit_for_bit(dev: &Device) {
-    let dk = DenseKernels::new(dev).expect("kernels");
+    let dk = DenseKernels::with_matmul(dev, MatmulKernel::Portable).expect("kernels");
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(19);
     for t in [1usize, 2, 5, 8, 9] {
@@ -225,7 +238,7 @@ fn matmul_small_t_is_the_fma_chain_bit_for_bit(dev: &Device) {
 }
 
 fn matmul_rows_match_across_the_small_t_and_tiled_kernels(dev: &Device) {
-    let dk = DenseKernels::new(dev).expect("kernels");
+    let dk = DenseKernels::with_matmul(dev, MatmulKernel::Portable).expect("kernels");
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(23);
     for (n, k, groups) in SMALL_T_SHAPES {
@@ -252,6 +265,107 @@ fn matmul_rows_match_across_the_small_t_and_tiled_kernels(dev: &Device) {
             assert_eq!(&b37[rows.clone()], &b3[..], "{n}×{k}×{groups}: rows {start}.. of t=37 vs t=3 (bf16)");
             assert_eq!(&f37[rows], &f3[..], "{n}×{k}×{groups}: rows {start}.. of t=37 vs t=3 (f32)");
         }
+    }
+}
+
+/// The tensor-core kernels' split order on the host: per k range of [`mma_splits`] a sequential
+/// f32 FMA chain from 0, the ranges summed in order from 0.
+fn matmul_split_order(x: &[bf16], w: &[bf16], g: Gemm) -> Vec<f32> {
+    let (splits, len) = mma_splits(g.k);
+    let mut y = vec![0f32; g.t * g.groups * g.n];
+    for m in 0..g.t {
+        for gr in 0..g.groups {
+            let xr = &x[(m * g.groups + gr) * g.k..][..g.k];
+            for c in 0..g.n {
+                let wr = &w[(gr * g.n + c) * g.k..][..g.k];
+                let mut total = 0f32;
+                for sp in 0..splits {
+                    let range = (sp * len).min(g.k)..((sp + 1) * len).min(g.k);
+                    let mut acc = 0f32;
+                    for (a, b) in xr[range.clone()].iter().zip(&wr[range]) {
+                        acc = a.to_f32().mul_add(b.to_f32(), acc);
+                    }
+                    total += acc;
+                }
+                y[(m * g.groups + gr) * g.n + c] = total;
+            }
+        }
+    }
+    y
+}
+
+/// A tensor-core result against the split order: the hardware sums inside a 16-wide k step in
+/// its own order, so f32 outputs agree to f32 rounding and bf16 outputs to one bf16 ulp.
+fn check_split_order(gotf: &[f32], got: &[bf16], x: &[bf16], w: &[bf16], g: Gemm) {
+    let want = matmul_split_order(x, w, g);
+    let scale = (want.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>() / want.len().max(1) as f64).sqrt();
+    for (i, ((f, b), r)) in gotf.iter().zip(got).zip(&want).enumerate() {
+        let tol = 1e-5 * scale.max(1e-30) + 1e-6 * f64::from(r.abs());
+        assert!((f64::from(*f) - f64::from(*r)).abs() <= tol, "{g:?} element {i}: f32 {f} vs split order {r}");
+        let ulp = f64::from(bf16::from_f32(*r).to_f32().abs()) / 128.0;
+        assert!(
+            (f64::from(b.to_f32()) - f64::from(*r)).abs() <= ulp + tol,
+            "{g:?} element {i}: bf16 {b} vs split order {r}"
+        );
+    }
+}
+
+/// Shapes the tensor cores take `(n, k, groups)`: one k range and several (2, 4, 8), n off the
+/// block's columns, groups, a k range shorter than the rest.
+const MMA_SHAPES: [(usize, usize, usize); 5] =
+    [(70, 4096, 1), (131, 1048, 2), (64, 2048, 1), (17, 520, 3), (300, 64, 1)];
+
+/// The decode and prefill row counts: both block shapes, their edges, partial blocks.
+const MMA_TS: [usize; 8] = [1, 3, 16, 17, 37, 64, 65, 300];
+
+fn tensor_core_matmul_matches_the_split_order_and_rows_are_batch_invariant(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let expect_tc = dev.info().backend == BackendKind::Cuda && holdfast_kernels::has_bf16_tensor_cores(dev.info());
+    assert_eq!(dk.uses_tensor_cores(), expect_tc, "{}", dev.info().arch);
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(29);
+    for (n, k, groups) in MMA_SHAPES {
+        let row = groups * n;
+        let tmax = *MMA_TS.iter().max().expect("ts");
+        let xh = rng.bf16s(tmax * groups * k, 1.0);
+        let wh = rng.bf16s(groups * n * k, 0.05);
+        let (x, w) = (upload(dev, "x", &xh), upload(dev, "w", &wh));
+        let full = Gemm { t: tmax, n, k, groups };
+        assert_eq!(dk.matmul_uses_tensor_cores(&x.view(), &w.view(), full), expect_tc);
+        let run = |t: usize| {
+            let g = Gemm { t, n, k, groups };
+            let y = poisoned_bf16(dev, "y", t * row + 3);
+            let yf = poisoned_f32(dev, "yf", t * row + 3);
+            let xv = x.prefix(t * groups * k).expect("view");
+            dk.matmul(&s, &xv, &w.view(), &y.prefix(t * row).expect("v"), g).expect("matmul");
+            dk.matmul_f32(&s, &xv, &w.view(), &yf.prefix(t * row).expect("v"), g).expect("matmul_f32");
+            let (b, f) =
+                (s.copy_to_host_sync(&y.view()).expect("read"), s.copy_to_host_sync(&yf.view()).expect("read"));
+            assert!(b[t * row..].iter().all(|v| v.to_bits() == POISON_BF16), "{g:?}: nothing written past y");
+            assert!(f[t * row..].iter().all(|v| v.to_bits() == 0xFFFF_FFFF), "{g:?}: nothing written past y");
+            (b[..t * row].to_vec(), f[..t * row].to_vec())
+        };
+        let (b_all, f_all) = run(tmax);
+        let gf: Vec<f64> = f_all.iter().map(|&v| f64::from(v)).collect();
+        assert_close(&format!("matmul_f32 {full:?}"), &gf, &matmul_ref(&xh, &wh, full), 1e-4);
+        if expect_tc {
+            check_split_order(&f_all, &b_all, &xh, &wh, full);
+        }
+        for t in MMA_TS {
+            let (b, f) = run(t);
+            assert_eq!(bits(&b), bits(&b_all[..t * row]), "{n}×{k}×{groups}: rows of t={t} vs t={tmax} (bf16)");
+            let fb = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(fb(&f), fb(&f_all[..t * row]), "{n}×{k}×{groups}: rows of t={t} vs t={tmax} (f32)");
+        }
+    }
+    // Calls the tensor cores do not take run the SIMT chain: k off a multiple of 8, a view that
+    // starts off an 8-element boundary.
+    if expect_tc {
+        let (x, w) = (upload(dev, "x", &rng.bf16s(4 * 100, 1.0)), upload(dev, "w", &rng.bf16s(9 * 100, 1.0)));
+        assert!(!dk.matmul_uses_tensor_cores(&x.view(), &w.view(), Gemm::new(4, 9, 100)));
+        let (xv, wv) = (x.slice(4, 4 * 96).expect("v"), w.view());
+        assert!(!dk.matmul_uses_tensor_cores(&xv, &wv, Gemm::new(4, 9, 96)));
+        check_chain(&dk, dev, &s, &xv, &w.prefix(9 * 96).expect("v"), Gemm::new(4, 9, 96), "offset x");
     }
 }
 
@@ -627,6 +741,7 @@ holdfast_hal::device_suite!(
     matmul_rows_are_batch_invariant_bit_for_bit,
     matmul_small_t_is_the_fma_chain_bit_for_bit,
     matmul_rows_match_across_the_small_t_and_tiled_kernels,
+    tensor_core_matmul_matches_the_split_order_and_rows_are_batch_invariant,
     rms_norm_matches_the_reference_in_place_and_per_row,
     rope_matches_the_reference_and_skips_negative_positions,
     swiglu_matches_the_reference_with_and_without_the_limit,
@@ -696,6 +811,15 @@ fn dense_kernels_compile_at_both_warp_widths_and_the_matmul_does_not_spill() {
         for entry in ptx.split(".entry ").skip(1).filter(|e| e.starts_with("hf_matmul")) {
             let name = entry.split('(').next().unwrap_or("?").trim();
             assert!(!entry.contains(".local"), "{name} uses local memory at warp {warp}");
+            if name.starts_with("hf_matmul_mma") {
+                for op in
+                    ["mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global", "ldmatrix"]
+                {
+                    assert!(entry.contains(op), "{name} lacks {op} at warp {warp}");
+                }
+                names.push(name.to_string());
+                continue;
+            }
             assert!(entry.contains("ld.shared.v4.f32"), "{name} lacks 16-byte shared loads");
             if name.starts_with("hf_matmul_small_t") {
                 let vec_global = entry.lines().any(|l| l.contains("ld.global") && l.contains(".v4."));
@@ -704,7 +828,16 @@ fn dense_kernels_compile_at_both_warp_widths_and_the_matmul_does_not_spill() {
             names.push(name.to_string());
         }
         names.sort();
-        let want = ["hf_matmul_bf16", "hf_matmul_f32", "hf_matmul_small_t_bf16", "hf_matmul_small_t_f32"];
+        let want = [
+            "hf_matmul_bf16",
+            "hf_matmul_f32",
+            "hf_matmul_mma16_bf16",
+            "hf_matmul_mma16_f32",
+            "hf_matmul_mma64_bf16",
+            "hf_matmul_mma64_f32",
+            "hf_matmul_small_t_bf16",
+            "hf_matmul_small_t_f32",
+        ];
         assert_eq!(names, want, "matmul entries at warp {warp}");
     }
 }
@@ -720,4 +853,25 @@ fn the_matmul_launch_shape_switches_kernels_at_the_threshold() {
     assert_eq!((tiled.grid, tiled.block), ((3, 1, 2), (256, 1, 1)));
     let big = Gemm::new(37, 129, 8).launch_config();
     assert_eq!((big.grid, big.block), ((2, 2, 1), (256, 1, 1)));
+}
+
+/// The tensor cores' k ranges follow k alone; their grid follows the shape (16-row blocks up to
+/// t = 16, 64-row blocks above; `16 · 8 / splits` columns per block).
+#[test]
+fn the_tensor_core_split_order_and_launch_shape_follow_the_shape() {
+    assert_eq!(mma_splits(0), (1, 0));
+    assert_eq!(mma_splits(64), (1, 64));
+    assert_eq!(mma_splits(1000), (1, 1024));
+    assert_eq!(mma_splits(1024), (2, 512));
+    assert_eq!(mma_splits(1048), (2, 544));
+    assert_eq!(mma_splits(2048), (4, 512));
+    assert_eq!(mma_splits(4096), (8, 512));
+    assert_eq!(mma_splits(8192), (8, 1024));
+    let decode = Gemm::new(1, 1024, 4096).mma_launch_config();
+    assert_eq!((decode.grid, decode.block, decode.shared_mem_bytes), ((64, 1, 1), (256, 1, 1), 81_920));
+    let edge = Gemm::new(MATMUL_MMA_SMALL_T_MAX, 32_768, 1024).mma_launch_config();
+    assert_eq!(edge.grid, (512, 1, 1));
+    let prefill = Gemm { t: 300, n: 1024, k: 4096, groups: 8 }.mma_launch_config();
+    assert_eq!((prefill.grid, prefill.shared_mem_bytes), ((64, 5, 8), 153_600));
+    assert!(prefill.shared_mem_bytes <= holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK);
 }
