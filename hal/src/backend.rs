@@ -9,9 +9,10 @@ use std::sync::Arc;
 
 use enum_dispatch::enum_dispatch;
 
-use crate::cpu::{CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuPinned, CpuStream};
+use crate::comm::CollectiveCall;
+use crate::cpu::{CpuComm, CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuPinned, CpuStream};
 #[cfg(feature = "cuda")]
-use crate::cuda::{CudaDevice, CudaEvent, CudaGraph, CudaKernel, CudaMem, CudaPinned, CudaStream};
+use crate::cuda::{CudaComm, CudaDevice, CudaEvent, CudaGraph, CudaKernel, CudaMem, CudaPinned, CudaStream};
 use crate::error::Result;
 use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
 #[cfg(feature = "rocm")]
@@ -170,6 +171,23 @@ pub(crate) enum GraphImpl {
     Cuda(CudaGraph),
     #[cfg(feature = "rocm")]
     Rocm(RocmGraph),
+}
+
+#[enum_dispatch]
+pub(crate) trait CommOps {
+    /// Enqueues `call` (checked by the front end) on `stream`, a stream of this rank's device.
+    fn collective(&self, stream: &StreamImpl, call: &CollectiveCall) -> Result<()>;
+    /// How long this rank waits for the others, where the backend enforces a timeout.
+    fn timeout(&self) -> Option<std::time::Duration>;
+    fn set_timeout(&self, timeout: std::time::Duration);
+}
+
+/// One rank of a communicator group (ROCm has none yet: forming a group there is an error).
+#[enum_dispatch(CommOps)]
+pub(crate) enum CommImpl {
+    Cpu(CpuComm),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaComm),
 }
 
 /// Compiled kernel handle (no trait: the owning backend's stream matches on it).

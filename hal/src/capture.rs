@@ -4,11 +4,13 @@
 //! yields a graph, `abort` Capturing → Idle and yields nothing. Any other transition is a
 //! [`HalError::CaptureTransition`] that changes nothing. While capturing, the log collects what
 //! the finished graph must hold on to (every allocation and pinned buffer it touched), which
-//! host-refreshed buffers it reads, and the input views the caller bound by name.
+//! host-refreshed buffers it reads, the input views the caller bound by name, and the communicators
+//! whose collectives it recorded.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::comm::CommShared;
 use crate::error::{HalError, Result};
 use crate::memory::{Allocation, PinnedAlloc, RawView};
 
@@ -38,12 +40,19 @@ pub(crate) struct CaptureLog {
     /// Allocations the capture itself refreshes from pinned staging (exempt from the stale check).
     pub(crate) refreshed_in_graph: std::collections::BTreeSet<u64>,
     pub(crate) inputs: Vec<(String, ViewRecord)>,
+    /// Communicators whose collectives were captured (a graph must not outlive them).
+    pub(crate) comms: Vec<Arc<CommShared>>,
     pub(crate) ops: usize,
 }
 
 impl CaptureLog {
     pub(crate) fn retain(&mut self, a: &Arc<Allocation>) {
         self.retained.entry(a.id).or_insert_with(|| a.clone());
+    }
+    pub(crate) fn keep_comm(&mut self, c: Arc<CommShared>) {
+        if !self.comms.iter().any(|k| Arc::ptr_eq(k, &c)) {
+            self.comms.push(c);
+        }
     }
     pub(crate) fn note_read(&mut self, a: &Arc<Allocation>) {
         if a.host_refreshed.load(std::sync::atomic::Ordering::Acquire) && !self.refreshed_in_graph.contains(&a.id) {

@@ -264,6 +264,67 @@ pub enum HalError {
     /// The backend does not support this operation.
     #[error("unsupported: {0}")]
     Unsupported(String),
+    /// A communicator group cannot be formed from the devices given (none, mixed backends, a
+    /// device listed twice where the backend forbids it, a malformed timeout setting).
+    #[error("cannot form a communicator group: {0}")]
+    InvalidGroup(String),
+    /// A collective's arguments are wrong on the calling rank (lengths, element type, aliasing,
+    /// device); found before anything is enqueued.
+    #[error("{op} on rank {rank} of {size}: {detail}")]
+    InvalidCollective {
+        /// The collective: `all_reduce`, `all_gather` or `reduce_scatter`.
+        op: &'static str,
+        /// The calling rank.
+        rank: usize,
+        /// The group's size.
+        size: usize,
+        /// What is wrong.
+        detail: String,
+    },
+    /// The ranks of a group called different collectives (kind, element type, count or
+    /// reduction) at the same position of their sequences; every participant gets this error
+    /// and no receive buffer is written.
+    #[error("{op} (collective #{seq}) on rank {rank}: the ranks disagree: {detail}")]
+    CollectiveMismatch {
+        /// The collective the reporting rank called.
+        op: &'static str,
+        /// The reporting rank.
+        rank: usize,
+        /// Position of the call in the rank's sequence of collectives (0-based).
+        seq: u64,
+        /// Which rank called what.
+        detail: String,
+    },
+    /// A rank waited longer than its timeout for the others to reach a collective.
+    #[error(
+        "{op} (collective #{seq}) on rank {rank} timed out after {:.3} s: rank(s) {missing:?} did not arrive",
+        waited.as_secs_f64()
+    )]
+    CollectiveTimeout {
+        /// The collective the reporting rank called.
+        op: &'static str,
+        /// The reporting rank.
+        rank: usize,
+        /// Position of the call in the rank's sequence of collectives (0-based).
+        seq: u64,
+        /// How long it waited.
+        waited: std::time::Duration,
+        /// The ranks that had not called it.
+        missing: Vec<usize>,
+    },
+    /// A collective could not complete for a reason outside the calling rank: another rank gave
+    /// up on it (timeout), or the group's shared state was poisoned by a panic on another thread.
+    #[error("{op} (collective #{seq}) on rank {rank} was abandoned: {detail}")]
+    CollectiveAborted {
+        /// The collective the reporting rank called.
+        op: &'static str,
+        /// The reporting rank.
+        rank: usize,
+        /// Position of the call in the rank's sequence of collectives (0-based).
+        seq: u64,
+        /// Why.
+        detail: String,
+    },
 }
 
 fn detail_suffix(detail: &str) -> String {

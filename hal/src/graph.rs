@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::backend::{GraphImpl, GraphOps};
 use crate::capture::{CaptureLog, ViewRecord};
+use crate::comm::CommShared;
 use crate::device::{lock, DeviceShared};
 use crate::error::{HalError, Result};
 use crate::memory::{Allocation, PinnedAlloc, RawView};
@@ -12,15 +13,18 @@ use crate::stream::Stream;
 
 /// An instantiated capture: replays the recorded work with the recorded addresses.
 ///
-/// A graph holds every allocation and pinned buffer it touched, so none of them can be freed (or
-/// their addresses reused) while it lives; replay is therefore memory-safe by construction. What
-/// replay cannot know is whether the *contents* are what the caller meant: the sanitizer checks
-/// host-refreshed inputs ([`crate::Buffer::set_host_refreshed`]) and bound input views
-/// ([`Stream::bind_input`]).
+/// A graph holds every allocation and pinned buffer it touched, and every communicator whose
+/// collectives it recorded, so none of them can be freed (or their addresses reused) while it
+/// lives; replay is therefore memory-safe by construction. What replay cannot know is whether the
+/// *contents* are what the caller meant: the sanitizer checks host-refreshed inputs
+/// ([`crate::Buffer::set_host_refreshed`]) and bound input views ([`Stream::bind_input`]).
 pub struct Graph {
     device: Arc<DeviceShared>,
     label: String,
     inner: GraphImpl,
+    // Declared after `inner`, so the backend graph is destroyed before the communicators and the
+    // memory it references.
+    _comms: Vec<Arc<CommShared>>,
     _retained: Vec<Arc<Allocation>>,
     _pinned: Vec<Arc<PinnedAlloc>>,
     /// (allocation, host generation it last saw).
@@ -50,6 +54,7 @@ impl Graph {
             device,
             label: log.label,
             inner,
+            _comms: log.comms,
             _retained: log.retained.into_values().collect(),
             _pinned: log.pinned,
             host_inputs: Mutex::new(host_inputs),
@@ -63,7 +68,7 @@ impl Graph {
     pub fn label(&self) -> &str {
         &self.label
     }
-    /// Operations recorded (kernel launches, copies, memsets).
+    /// Operations recorded (kernel launches, copies, memsets, collectives).
     pub fn op_count(&self) -> usize {
         self.ops
     }

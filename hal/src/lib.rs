@@ -26,6 +26,13 @@
 //! view the kernel was given, and every address is resolved through the allocation table at
 //! execution time.
 //!
+//! ## Collectives
+//! A [`Communicator`] is one rank of a group of devices ([`Communicator::group`]); its
+//! all-reduce, all-gather and reduce-scatter are stream operations under the same rules as copies
+//! (checked views, legal and retained in captures, sanitizer reads). The CPU backend emulates the
+//! ranks in process with a deterministic `f32` rank-order reduction; CUDA uses NCCL. The [`comm`]
+//! module's documentation gives the shapes, the semantics and what is deterministic where.
+//!
 //! ## Kernels
 //! A [`KernelSource`] is CUDA C that is also valid HIP (see [`PORTABILITY_HEADER`]), with, per
 //! entry point, its [`Param`] list and a CPU reference function. The reference is the definition
@@ -33,6 +40,7 @@
 
 pub(crate) mod backend;
 mod capture;
+pub mod comm;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -49,6 +57,7 @@ mod stream;
 pub mod testing;
 
 pub use capture::CaptureStatus;
+pub use comm::{Communicator, ReduceOp, COMM_TIMEOUT_ENV, DEFAULT_COMM_TIMEOUT};
 pub use cpu::{CpuLaunch, CpuPtr};
 pub use device::{BackendKind, Device, DeviceInfo, DeviceName, SM90_MAX_SHARED_MEM_PER_BLOCK};
 pub use dtype::{DType, Element};

@@ -62,7 +62,7 @@ impl Stream {
     /// Runs the backend call `op`; while capturing, first checks that every view `uses` yields is
     /// persistent, and afterwards logs it (retention, host-refreshed reads) and calls `on_log`.
     /// `uses` is only evaluated while capturing, so eager operations allocate nothing here.
-    fn enqueue<'v, U>(
+    pub(crate) fn enqueue<'v, U>(
         &self,
         what: &str,
         uses: impl Fn() -> U,

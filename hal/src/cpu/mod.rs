@@ -14,9 +14,13 @@
 //! - **Capture**: while capturing, a stream records operations with their raw addresses instead of
 //!   running them; replay re-executes the list, re-resolving every address. Exactly what a GPU
 //!   graph does, which is why address-stability bugs show up here.
+//! - **Collectives**: the ranks of a group meet in shared host memory (`comm.rs`); a collective
+//!   blocks the calling thread until every rank has reached it, and is recorded and re-run at
+//!   replay like any other operation.
 //!
 //! [`CpuKernelFn`]: crate::CpuKernelFn
 
+pub(crate) mod comm;
 mod launch;
 
 use std::collections::BTreeMap;
@@ -24,6 +28,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
+pub(crate) use comm::CpuComm;
 pub use launch::{CpuLaunch, CpuPtr};
 
 use crate::backend::{
@@ -210,6 +215,7 @@ enum CpuOp {
     Memset { addr: u64, bytes: usize, value: u8 },
     Copy { src: u64, dst: u64, bytes: usize },
     CopyPinned { src: CpuPinned, offset: usize, dst: u64, bytes: usize },
+    Collective { rank: Arc<comm::CpuRank>, call: crate::comm::CollectiveCall },
 }
 
 impl CpuOp {
@@ -245,6 +251,7 @@ impl CpuOp {
                 src.read(*offset, &mut bytemuck::cast_slice_mut::<u64, u8>(&mut d)[doff..doff + bytes]);
                 Ok(())
             }
+            CpuOp::Collective { rank, call } => rank.execute(core, call),
         }
     }
 }

@@ -14,10 +14,16 @@
 //! - **Capture**: `cuStreamBeginCapture` (thread-local mode; the front end enforces the capture
 //!   rules for every thread), `cuStreamEndCapture`, a scan that rejects graphs containing memory
 //!   alloc/free nodes, `cuGraphInstantiateWithFlags`, `cuGraphUpload`; replay is `cuGraphLaunch`.
+//! - **Collectives**: NCCL, opened at run time by the HAL itself (`nccl.rs` says why and where it
+//!   looks), one communicator per device from `ncclCommInitAll`, each collective issued on the
+//!   HAL stream (`comm.rs`).
 
+pub(crate) mod comm;
 mod compile;
 mod loader;
+mod nccl;
 
+pub(crate) use comm::CudaComm;
 pub use compile::{compile, nvrtc_unavailable_reason, nvrtc_version};
 
 use std::ffi::{c_void, CString};
@@ -46,6 +52,18 @@ fn drv(call: &'static str) -> impl Fn(DriverError) -> HalError {
 /// Why the CUDA backend is unusable on this machine, or `None` if `libcuda` and `libnvrtc` load.
 pub fn unavailable_reason() -> Option<String> {
     loader::unavailable_reason()
+}
+
+/// Why NCCL (needed by [`crate::Communicator`] on CUDA devices) cannot be loaded here, with what
+/// was searched, or `None` if it loads. Set `HOLDFAST_NCCL_PATH` to a `:`-separated list of
+/// directories (or library files) to search first.
+pub fn nccl_unavailable_reason() -> Option<String> {
+    nccl::load().err()
+}
+
+/// The NCCL version code of the library collectives use (e.g. 22703 for 2.27.3), if it loads.
+pub fn nccl_version() -> Option<i32> {
+    nccl::load().ok().map(|n| n.version)
 }
 
 /// One CUDA device (its primary context).
