@@ -111,7 +111,7 @@ impl C128aBuilder {
         Ok(())
     }
 
-    /// Enqueues the step's c128a build on `s`: at most 4 launches, no host sync.
+    /// Enqueues the step's c128a build on `s`: at most 3 launches (decode rows: the per-row lists, then the ragged scan + pack in one; prefill rows: one), no host sync.
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata) -> Result<C128aMetadata> {
         let c = common.config();
         if c.max_num_batched_tokens > self.max_tokens || c128a_max_compressed(c.max_model_len) != self.width {
@@ -146,9 +146,8 @@ impl C128aBuilder {
                 ];
                 s.launch(&self.attn.c128a_decode, row_grid(d, 128), &args)?;
                 let ragged = self.ragged.views(d)?;
-                self.kernels.exclusive_scan_i32(s, &lens, &ragged.indptr)?;
-                self.kernels.ragged_pack_i32(s, &indices, &lens, &ragged.indptr, &ragged.indices, w, None)?;
-                launches += 3;
+                self.kernels.ragged_from_dense_i32(s, &indices, &lens, &ragged.indptr, &ragged.indices, w, None)?;
+                launches += 2;
                 Some(C128aDecode { indices, lens, ragged })
             } else {
                 None

@@ -102,7 +102,7 @@ impl C4aBuilder {
     }
 
     /// Enqueues the step's c4a decode build on `s` from `topk_indices` (`[≥ num_decode_tokens,
-    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 3 launches,
+    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 2 launches (count, then scan + pack),
     /// no host sync.
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata, topk_indices: &View<i32>) -> Result<C4aMetadata> {
         let c = common.config();
@@ -146,13 +146,13 @@ impl C4aBuilder {
                 (C4A_RATIO as u32).into(),
             ];
             s.launch(&self.attn.c4a_count, row_grid(d, C4A_THREADS), &count)?;
-            self.kernels.exclusive_scan_i32(s, &lens, &ragged.indptr)?;
             let pack = [
                 (&topk).into(),
                 (&pos).into(),
                 (&slots).into(),
                 (&req).into(),
                 (&common.block_table(TableKind::Kv)?).into(),
+                (&lens).into(),
                 (&ragged.indptr).into(),
                 (&ragged.indices).into(),
                 (d as u32).into(),
@@ -162,7 +162,7 @@ impl C4aBuilder {
                 (bt.max_blocks_per_seq as u32).into(),
             ];
             s.launch(&self.attn.c4a_pack, row_grid(d, C4A_THREADS), &pack)?;
-            Ok((Some(C4aDecode { lens, ragged }), 3))
+            Ok((Some(C4aDecode { lens, ragged }), 2))
         })?;
         Ok(C4aMetadata { layout, decode, stats: BuildStats { launches, host_syncs } })
     }

@@ -100,17 +100,25 @@ HF_KERNEL void hf_dsv4_c4a_count(const int32_t* topk, const int32_t* positions, 
     }
 }
 
-// flat[indptr[t] + i] = global slot of the i-th kept entry of row t (row order preserved).
-// Thread h owns the contiguous chunk [h * ceil(k / T), ...) so a block scan keeps the order.
+// indptr[0] = 0, indptr[t + 1] = lens[0] + ... + lens[t] (lens from hf_dsv4_c4a_count), and
+// flat[indptr[t] + i] = global slot of the i-th kept entry of row t (row order preserved): the
+// scan and the pack in one launch. The block first sums the lengths before its row (integers,
+// exact in any order); then thread h owns the contiguous chunk [h * ceil(k / T), ...) of the row,
+// so a block scan of the per-thread counts keeps the order.
 HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, const int32_t* slots,
-                                const int32_t* tok_req, const int32_t* block_table, const int32_t* indptr,
-                                int32_t* flat, uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs,
+                                const int32_t* tok_req, const int32_t* block_table, const int32_t* lens,
+                                int32_t* indptr, int32_t* flat, uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs,
                                 uint32_t bt_width) {
     __shared__ int32_t part[HF_C4A_THREADS];
     uint32_t chunk = (k + HF_C4A_THREADS - 1) / HF_C4A_THREADS;
     uint32_t begin = threadIdx.x * chunk;
     uint32_t end = begin + chunk < k ? begin + chunk : k;
+    if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        int32_t before = 0;
+        for (uint32_t q = threadIdx.x; q < t; q += HF_C4A_THREADS) before += lens[q];
+        const int32_t base = hf_block_sum_i32(before, part);
+        if (threadIdx.x == 0) indptr[t + 1] = base + lens[t];
         int32_t req = tok_req[t];
         bool valid = slots[t] >= 0 && req >= 0;
         int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
@@ -125,7 +133,7 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
             part[threadIdx.x] += v;
             __syncthreads();
         }
-        int32_t out = indptr[t] + part[threadIdx.x] - c;
+        int32_t out = base + part[threadIdx.x] - c;
         const int32_t* row = block_table + (uint64_t)(valid ? req : 0) * bt_width;
         for (uint32_t j = begin; j < end; ++j) {
             int32_t v = in[j];
@@ -238,10 +246,17 @@ fn c4a_count(l: &CpuLaunch<'_>) -> Result<()> {
 
 fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
     let (topk, pos, slots, req) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
-    let (bt, indptr, flat) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?);
-    let (n, k, ratio, cbs, w) = (l.count(7)?, l.count(8)?, l.count(9)? as i64, l.count(10)? as i64, l.count(11)?);
+    let (bt, lens, indptr, flat) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?, l.ptr::<i32>(7)?);
+    let (n, k, ratio, cbs, w) = (l.count(8)?, l.count(9)?, l.count(10)? as i64, l.count(11)? as i64, l.count(12)?);
+    // The exclusive scan of the lengths (two's-complement adds, as the device's).
+    let mut starts = Vec::with_capacity(n + 1);
+    starts.push(0i32);
+    for (t, v) in lens.read(0, n)?.into_iter().enumerate() {
+        starts.push(starts[t].wrapping_add(v));
+    }
+    indptr.write(0, &starts)?;
     let mut out = Vec::with_capacity(k);
-    for t in 0..n {
+    for (t, &base) in starts[..n].iter().enumerate() {
         let (valid, p, r) = token(&pos, &slots, &req, t)?;
         let avail = if valid { (p + 1) / ratio } else { 0 };
         out.clear();
@@ -253,7 +268,6 @@ fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
         if out.is_empty() {
             continue;
         }
-        let base = indptr.get(t)?;
         let base = usize::try_from(base).map_err(|_| l.fail(format!("indptr[{t}] = {base} is negative")))?;
         flat.write(base, &out)?;
     }
@@ -344,7 +358,8 @@ pub fn source() -> &'static KernelSource {
                         inp("slots"),
                         inp("tok_req"),
                         inp("block_table"),
-                        inp("indptr"),
+                        inp("lens"),
+                        out("indptr"),
                         out("flat"),
                         u("n"),
                         u("k"),

@@ -108,7 +108,7 @@ impl SwaBuilder {
         Ok(())
     }
 
-    /// Enqueues the step's SWA metadata build on `s`: at most 4 launches, no host sync.
+    /// Enqueues the step's SWA metadata build on `s`: at most 3 launches (decode rows: the per-row lists, then the ragged scan + pack in one; prefill rows: one), no host sync.
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata) -> Result<SwaMetadata> {
         let c = common.config();
         if c.max_num_batched_tokens > self.max_tokens || c.max_num_seqs > self.max_seqs {
@@ -140,9 +140,8 @@ impl SwaBuilder {
                 ];
                 s.launch(&self.attn.swa_decode, row_grid(d, 128), &args)?;
                 let ragged = self.ragged.views(d)?;
-                self.kernels.exclusive_scan_i32(s, &lens, &ragged.indptr)?;
-                self.kernels.ragged_pack_i32(s, &indices, &lens, &ragged.indptr, &ragged.indices, w, None)?;
-                launches += 3;
+                self.kernels.ragged_from_dense_i32(s, &indices, &lens, &ragged.indptr, &ragged.indices, w, None)?;
+                launches += 2;
                 Some(SwaDecode { indices, lens, ragged })
             } else {
                 None

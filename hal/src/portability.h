@@ -61,6 +61,23 @@ __device__ __forceinline__ float hf_warp_max(float v) {
     for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) v = fmaxf(v, hf_shfl_xor(v, m));
     return v;
 }
+// A length clamped to [0, width].
+__device__ __forceinline__ int32_t hf_clamp_len(int32_t len, uint32_t width) {
+    return len < 0 ? 0 : ((uint32_t)len < width ? len : (int32_t)width);
+}
+// Sum of v over the block's threads (blockDim.x a power of two; `part` a shared array of
+// blockDim.x entries), returned to every thread; the block may reuse `part` right after.
+__device__ __forceinline__ int32_t hf_block_sum_i32(int32_t v, int32_t* part) {
+    part[threadIdx.x] = v;
+    __syncthreads();
+    for (uint32_t s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+        __syncthreads();
+    }
+    const int32_t total = part[0];
+    __syncthreads();
+    return total;
+}
 
 #if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
 #define HF_HAS_MMA 1

@@ -19,7 +19,7 @@ mod source;
 
 pub use dense::{has_bf16_tensor_cores, mma_shared_bytes, DenseKernels, Gemm, MatmulKernel};
 pub use dense_source::{dense_source, ARGMAX_THREADS, MATMUL_BM, MATMUL_BN, MATMUL_THREADS, NORM_THREADS};
-pub use source::{source, SCAN_THREADS};
+pub use source::{source, RAGGED_FROM_DENSE_THREADS, SCAN_THREADS};
 
 use holdfast_hal::{Device, HalError, Kernel, LaunchConfig, Stream, View};
 
@@ -50,6 +50,33 @@ fn u32_of(op: &'static str, what: &str, v: usize) -> Result<u32> {
     u32::try_from(v).map_err(|_| shape(op, format!("{what} = {v} does not fit in 32 bits")))
 }
 
+/// The shape rules of the ragged packs; returns the kernels' `(lo, hi, check)` arguments.
+fn pack_checks(
+    op: &'static str,
+    dense: &View<i32>,
+    rows: usize,
+    indptr: &View<i32>,
+    flat: &View<i32>,
+    width: usize,
+    range: Option<(i32, i32)>,
+) -> Result<(i32, i32, u32)> {
+    let cells = rows.checked_mul(width).ok_or_else(|| shape(op, format!("{rows} × {width} overflows")))?;
+    if dense.len() < cells {
+        return Err(shape(op, format!("dense holds {} elements, [{rows}, {width}] needs {cells}", dense.len())));
+    }
+    if indptr.len() < rows + 1 {
+        return Err(shape(op, format!("indptr holds {} elements, needs rows + 1 = {}", indptr.len(), rows + 1)));
+    }
+    if flat.len() < cells {
+        return Err(shape(op, format!("flat holds {} elements, needs rows × width = {cells}", flat.len())));
+    }
+    match range {
+        Some((lo, hi)) if lo <= hi => Ok((lo, hi, 1)),
+        Some((lo, hi)) => Err(shape(op, format!("empty range [{lo}, {hi})"))),
+        None => Ok((0, 0, 0)),
+    }
+}
+
 /// Blocks for a grid-stride loop over `n` elements (at least one, at most 4096).
 fn stride_grid(n: usize, block: u32) -> LaunchConfig {
     let blocks = n.div_ceil(block as usize).clamp(1, 4096) as u32;
@@ -69,6 +96,7 @@ pub struct Kernels {
     gather_i32: Kernel,
     scan_i32: Kernel,
     ragged_pack_i32: Kernel,
+    ragged_from_dense_i32: Kernel,
 }
 
 impl Kernels {
@@ -81,6 +109,7 @@ impl Kernels {
             gather_i32: m.kernel("hf_gather_i32")?,
             scan_i32: m.kernel("hf_exclusive_scan_i32")?,
             ragged_pack_i32: m.kernel("hf_ragged_pack_i32")?,
+            ragged_from_dense_i32: m.kernel("hf_ragged_from_dense_i32")?,
         })
     }
 
@@ -184,21 +213,7 @@ impl Kernels {
     ) -> Result<()> {
         const OP: &str = "ragged_pack_i32";
         let rows = len.len();
-        let cells = rows.checked_mul(width).ok_or_else(|| shape(OP, format!("{rows} × {width} overflows")))?;
-        if dense.len() < cells {
-            return Err(shape(OP, format!("dense holds {} elements, [{rows}, {width}] needs {cells}", dense.len())));
-        }
-        if indptr.len() < rows + 1 {
-            return Err(shape(OP, format!("indptr holds {} elements, needs rows + 1 = {}", indptr.len(), rows + 1)));
-        }
-        if flat.len() < cells {
-            return Err(shape(OP, format!("flat holds {} elements, needs rows × width = {cells}", flat.len())));
-        }
-        let (lo, hi, check) = match range {
-            Some((lo, hi)) if lo <= hi => (lo, hi, 1u32),
-            Some((lo, hi)) => return Err(shape(OP, format!("empty range [{lo}, {hi})"))),
-            None => (0, 0, 0),
-        };
+        let (lo, hi, check) = pack_checks(OP, dense, rows, indptr, flat, width, range)?;
         let args = [
             dense.into(),
             len.into(),
@@ -211,6 +226,40 @@ impl Kernels {
             check.into(),
         ];
         s.launch(&self.ragged_pack_i32, row_grid(rows, 128), &args)?;
+        Ok(())
+    }
+
+    /// [`Kernels::exclusive_scan_i32`] of the clamped lengths into `indptr`, then
+    /// [`Kernels::ragged_pack_i32`], in one launch (one block per row, each summing the clamped
+    /// lengths before its row): `indptr[0] = 0`, `indptr[r + 1] = Σ_{q ≤ r} clamp(len[q], 0,
+    /// width)`, and row r's first `clamp(len[r], 0, width)` entries of `dense [rows, width]` at
+    /// `flat[indptr[r]..]`, with `rows = len.len()`. Same shape rules and `range` as the pack.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ragged_from_dense_i32(
+        &self,
+        s: &Stream,
+        dense: &View<i32>,
+        len: &View<i32>,
+        indptr: &View<i32>,
+        flat: &View<i32>,
+        width: usize,
+        range: Option<(i32, i32)>,
+    ) -> Result<()> {
+        const OP: &str = "ragged_from_dense_i32";
+        let rows = len.len();
+        let (lo, hi, check) = pack_checks(OP, dense, rows, indptr, flat, width, range)?;
+        let args = [
+            dense.into(),
+            len.into(),
+            indptr.into(),
+            flat.into(),
+            u32_of(OP, "rows", rows)?.into(),
+            u32_of(OP, "width", width)?.into(),
+            lo.into(),
+            hi.into(),
+            check.into(),
+        ];
+        s.launch(&self.ragged_from_dense_i32, row_grid(rows, RAGGED_FROM_DENSE_THREADS), &args)?;
         Ok(())
     }
 }

@@ -72,7 +72,34 @@ HF_KERNEL void hf_ragged_pack_i32(const int32_t* dense, const int32_t* len, cons
         }
     }
 }
+
+// The scan and the pack in one launch: indptr[0] = 0, indptr[r + 1] = n_0 + ... + n_r with
+// n_q = clamp(len[q], 0, width), and flat[indptr[r] + j] = dense[r * width + j] for j < n_r
+// (range-checked as hf_ragged_pack_i32). One block of HF_RFD_THREADS threads per row (a
+// grid-stride loop): the block sums the clamped lengths before its row (integers, so the order
+// does not matter), then copies the row.
+#define HF_RFD_THREADS 128
+HF_KERNEL void hf_ragged_from_dense_i32(const int32_t* dense, const int32_t* len, int32_t* indptr, int32_t* flat,
+                                        uint32_t rows, uint32_t width, int32_t lo, int32_t hi, uint32_t check) {
+    __shared__ int32_t part[HF_RFD_THREADS];
+    if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
+    for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        int32_t before = 0;
+        for (uint32_t q = threadIdx.x; q < r; q += HF_RFD_THREADS) before += hf_clamp_len(len[q], width);
+        const int32_t base = hf_block_sum_i32(before, part);
+        const int32_t n = hf_clamp_len(len[r], width);
+        if (threadIdx.x == 0) indptr[r + 1] = base + n;
+        for (uint32_t j = threadIdx.x; j < (uint32_t)n; j += HF_RFD_THREADS) {
+            int32_t v = dense[(uint64_t)r * width + j];
+            if (check != 0u && (v < lo || v >= hi)) v = -1;
+            flat[base + j] = v;
+        }
+    }
+}
 "#;
+
+/// Threads of a `ragged_from_dense_i32` block (one block per row).
+pub const RAGGED_FROM_DENSE_THREADS: u32 = 128;
 
 /// Threads of the single scan block (also the CPU reference's chunking).
 pub const SCAN_THREADS: u32 = 1024;
@@ -141,6 +168,31 @@ fn ragged_pack_i32(l: &CpuLaunch<'_>) -> Result<()> {
     Ok(())
 }
 
+/// The scan of the clamped lengths, then the pack (the device kernel's result, exactly).
+fn ragged_from_dense_i32(l: &CpuLaunch<'_>) -> Result<()> {
+    let (dense, len, indptr, flat) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (rows, width) = (l.count(4)?, l.count(5)?);
+    let (lo, hi, check) = (l.i32(6)?, l.i32(7)?, l.u32(8)? != 0);
+    let lens = len.read(0, rows)?;
+    let mut starts = Vec::with_capacity(rows + 1);
+    starts.push(0i32);
+    for (r, v) in lens.iter().enumerate() {
+        let n = (*v).clamp(0, i32::try_from(width).unwrap_or(i32::MAX));
+        starts.push(starts[r].wrapping_add(n));
+        if n == 0 {
+            continue;
+        }
+        let mut row = dense.read(r * width, n as usize)?;
+        if check {
+            row.iter_mut().filter(|v| **v < lo || **v >= hi).for_each(|v| *v = -1);
+        }
+        let base =
+            usize::try_from(starts[r]).map_err(|_| l.fail(format!("indptr[{r}] = {} is negative", starts[r])))?;
+        flat.write(base, &row)?;
+    }
+    indptr.write(0, &starts)
+}
+
 /// The `holdfast_kernels` source with all entry points.
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
@@ -198,6 +250,21 @@ pub fn source() -> &'static KernelSource {
                         u("check"),
                     ],
                     cpu: ragged_pack_i32,
+                },
+                KernelEntry {
+                    name: "hf_ragged_from_dense_i32",
+                    params: vec![
+                        Param::input::<i32>("dense"),
+                        Param::input::<i32>("len"),
+                        Param::output::<i32>("indptr"),
+                        Param::output::<i32>("flat"),
+                        u("rows"),
+                        u("width"),
+                        i("lo"),
+                        i("hi"),
+                        u("check"),
+                    ],
+                    cpu: ragged_from_dense_i32,
                 },
             ],
         }

@@ -127,6 +127,50 @@ fn ragged_pack_matches_its_definition(dev: &Device) {
     }
 }
 
+/// The fused scan + pack equals the two-launch result (indptr of the clamped lengths, packed rows)
+/// for lengths in and out of `[0, width]`, with and without the range check, at row counts that
+/// cross the grid's 65535-block loop; nothing is written past `indptr[rows]`.
+fn ragged_from_dense_equals_scan_then_pack(dev: &Device) {
+    let k = Kernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(31);
+    for (rows, width) in [(0usize, 4usize), (1, 1), (7, 128), (300, 16), (1000, 3), (70_000, 2)] {
+        let dense_h: Vec<i32> = (0..rows * width).map(|_| rng.below(5000) as i32 - 100).collect();
+        // Lengths from -2 to width + 2: the kernel clamps them.
+        let lens_h: Vec<i32> = (0..rows).map(|_| rng.below(width as u64 + 5) as i32 - 2).collect();
+        let clamped: Vec<i32> = lens_h.iter().map(|&l| l.clamp(0, width as i32)).collect();
+        let want_indptr = scan_ref(&clamped);
+        let dense = dev.alloc_from_slice("dense", &dense_h, true).expect("dense");
+        let lens = dev.alloc_from_slice("lens", &lens_h, true).expect("lens");
+        for range in [None, Some((0, 4000))] {
+            let indptr = poisoned(dev, "indptr", rows + 2);
+            let flat = poisoned(dev, "flat", rows * width + 3);
+            let (iv, fv) = (indptr.prefix(rows + 1).expect("v"), flat.prefix(rows * width).expect("v"));
+            k.ragged_from_dense_i32(&s, &dense.view(), &lens.view(), &iv, &fv, width, range).expect("fused");
+            let got_indptr = s.copy_to_host_sync(&indptr.view()).expect("read");
+            assert_eq!(&got_indptr[..rows + 1], &want_indptr[..], "{rows}×{width} {range:?}: indptr");
+            assert_eq!(got_indptr[rows + 1], POISON, "{rows}×{width}: nothing past indptr");
+            let got = s.copy_to_host_sync(&flat.view()).expect("read");
+            let mut want = Vec::new();
+            for r in 0..rows {
+                for &v in &dense_h[r * width..r * width + clamped[r] as usize] {
+                    want.push(match range {
+                        Some((lo, hi)) if v < lo || v >= hi => -1,
+                        _ => v,
+                    });
+                }
+            }
+            assert_eq!(&got[..want.len()], &want[..], "{rows}×{width} {range:?}: flat");
+            assert!(got[want.len()..].iter().all(|&v| v == POISON), "{rows}×{width}: nothing past indptr[rows]");
+        }
+    }
+    let v = |n: usize| dev.alloc::<i32>("v", n).expect("alloc").view();
+    let is_shape = |r: Result<(), KernelsError>| matches!(r, Err(KernelsError::Shape { .. }));
+    assert!(is_shape(k.ragged_from_dense_i32(&s, &v(15), &v(4), &v(5), &v(16), 4, None)), "dense too small");
+    assert!(is_shape(k.ragged_from_dense_i32(&s, &v(16), &v(4), &v(4), &v(16), 4, None)), "indptr too small");
+    assert!(is_shape(k.ragged_from_dense_i32(&s, &v(16), &v(4), &v(5), &v(16), 4, Some((3, 2)))), "empty range");
+}
+
 fn shape_errors_are_reported_before_launch(dev: &Device) {
     let k = Kernels::new(dev).expect("kernels");
     let s = dev.create_stream().expect("stream");
@@ -185,6 +229,7 @@ holdfast_hal::device_suite!(
     fill_copy_and_gather_match_their_definitions,
     exclusive_scan_matches_its_definition_at_every_size_class,
     ragged_pack_matches_its_definition,
+    ragged_from_dense_equals_scan_then_pack,
     shape_errors_are_reported_before_launch,
     scan_and_pack_replay_with_fresh_inputs_equal_eager,
 );
