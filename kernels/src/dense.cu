@@ -440,3 +440,9 @@ HF_KERNEL void hf_repeat_rows_bf16(const hf_bf16* x, hf_bf16* y, uint32_t tokens
         y[i] = x[t * hidden + c];
     }
 }
+
+// ---- to_bf16: y[i] = bf16(x[i]) (round to nearest even), grid-stride ------------------------------
+HF_KERNEL void hf_to_bf16_f32(const float* x, hf_bf16* y, uint32_t n) {
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        y[i] = hf_f32_to_bf16(x[i]);
+}

@@ -1,5 +1,5 @@
 //! Dense ops of a decoder: matmul (bf16 or f32 out, optionally grouped), RMSNorm, RoPE, SwiGLU,
-//! embedding lookup, argmax, row repeat.
+//! embedding lookup, argmax, row repeat, f32 → bf16.
 //!
 //! ## Numerics and batch invariance
 //! bf16 storage, f32 math. Each output's reduction order is fixed by the op and the shape and never
@@ -234,6 +234,7 @@ pub struct DenseKernels {
     embed: Kernel,
     argmax: Kernel,
     repeat_rows: Kernel,
+    to_bf16: Kernel,
 }
 
 impl DenseKernels {
@@ -272,6 +273,7 @@ impl DenseKernels {
             embed: m.kernel("hf_embed_bf16")?,
             argmax: m.kernel("hf_argmax_f32")?,
             repeat_rows: m.kernel("hf_repeat_rows_bf16")?,
+            to_bf16: m.kernel("hf_to_bf16_f32")?,
         })
     }
 
@@ -520,6 +522,17 @@ impl DenseKernels {
             u32_of(OP, "hidden", hidden)?.into(),
         ];
         s.launch(&self.repeat_rows, stride_grid(product(OP, &[tokens, copies, hidden])?, 256), &args)?;
+        Ok(())
+    }
+
+    /// `y[i] = bf16(x[i])` for `i < n` (round to nearest even, NaN stays NaN): `x [n]` f32 →
+    /// `y [n]` bf16 (for example an all-reduced f32 partial sum back to the activation type).
+    pub fn to_bf16(&self, s: &Stream, x: &View<f32>, y: &View<bf16>, n: usize) -> Result<()> {
+        const OP: &str = "to_bf16";
+        need(OP, "x", x.len(), &[n])?;
+        need(OP, "y", y.len(), &[n])?;
+        let args = [x.into(), y.into(), u32_of(OP, "n", n)?.into()];
+        s.launch(&self.to_bf16, stride_grid(n, 256), &args)?;
         Ok(())
     }
 }

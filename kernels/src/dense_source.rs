@@ -402,11 +402,17 @@ fn repeat_rows(l: &CpuLaunch<'_>) -> Result<()> {
     y.write(0, &ys)
 }
 
+fn to_bf16(l: &CpuLaunch<'_>) -> Result<()> {
+    let (x, y, n) = (l.ptr::<f32>(0)?, l.ptr::<bf16>(1)?, l.count(2)?);
+    let out: Vec<bf16> = x.read(0, n)?.into_iter().map(bf16::from_f32).collect();
+    y.write(0, &out)
+}
+
 /// The dense ops' source: `hf_matmul_bf16`, `hf_matmul_f32` (tiled), `hf_matmul_small_t_bf16`,
 /// `hf_matmul_small_t_f32` (decode-sized t; the same chains, so the same CPU references as the tiled
 /// pair), `hf_matmul_mma{16,64}_{bf16,f32}` (tensor cores, the split order; empty where the target
 /// has none), `hf_rms_norm_bf16`, `hf_rope_bf16`, `hf_swiglu_bf16`, `hf_embed_bf16`, `hf_argmax_f32`,
-/// `hf_repeat_rows_bf16`, each with its CPU reference (argument lists as in `dense.cu`; launch them through [`crate::DenseKernels`]).
+/// `hf_repeat_rows_bf16`, `hf_to_bf16_f32`, each with its CPU reference (argument lists as in `dense.cu`; launch them through [`crate::DenseKernels`]).
 pub fn dense_source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -509,6 +515,11 @@ pub fn dense_source() -> &'static KernelSource {
                         u("hidden"),
                     ],
                     cpu: repeat_rows,
+                },
+                KernelEntry {
+                    name: "hf_to_bf16_f32",
+                    params: vec![Param::input::<f32>("x"), Param::output::<bf16>("y"), u("n")],
+                    cpu: to_bf16,
                 },
             ],
         }

@@ -736,7 +736,30 @@ fn graph_replay_with_fresh_inputs_equals_eager_bit_for_bit(dev: &Device) {
     }
 }
 
+/// `to_bf16` rounds to nearest even (the `half` crate's rounding, ties included) and keeps NaN
+/// and infinities; nothing is written past n.
+fn to_bf16_rounds_to_nearest_even(dev: &Device) {
+    let dk = DenseKernels::new(dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(61);
+    let mut xh: Vec<f32> = (0..1000).map(|_| rng.unit() * 100.0).collect();
+    // Exact ties between two bf16 values, both parities, and the specials.
+    xh.extend([1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -0.0, 1e-40]);
+    let n = xh.len();
+    let x = upload(dev, "x", &xh);
+    let y = poisoned_bf16(dev, "y", n + 3);
+    dk.to_bf16(&s, &x.view(), &y.prefix(n).expect("v"), n).expect("to_bf16");
+    let got = s.copy_to_host_sync(&y.view()).expect("read");
+    for (i, (g, v)) in got.iter().zip(&xh).enumerate() {
+        let want = bf16::from_f32(*v);
+        assert!(g.to_bits() == want.to_bits() || (g.is_nan() && want.is_nan()), "element {i}: {v} → {g}, want {want}");
+    }
+    assert!(got[n..].iter().all(|v| v.to_bits() == POISON_BF16), "nothing written past n");
+    assert!(matches!(dk.to_bf16(&s, &x.view(), &y.view(), n + 10), Err(KernelsError::Shape { .. })));
+}
+
 holdfast_hal::device_suite!(
+    to_bf16_rounds_to_nearest_even,
     matmul_matches_the_f64_reference_at_odd_shapes,
     matmul_rows_are_batch_invariant_bit_for_bit,
     matmul_small_t_is_the_fma_chain_bit_for_bit,
