@@ -280,6 +280,24 @@ impl ModelConfig {
         total
     }
 
+    /// Checks that `size` tensor-parallel ranks can split this model: query heads, output groups
+    /// and the FFN width must each divide by `size` (at least 1).
+    pub fn validate_tp(&self, size: usize) -> Result<()> {
+        if size == 0 {
+            return Err(err("tensor_parallel_size", "must be at least 1, got 0"));
+        }
+        for (field, v) in [
+            ("num_attention_heads", self.num_attention_heads),
+            ("o_groups", self.o_groups),
+            ("moe_intermediate_size", self.moe_intermediate_size),
+        ] {
+            if !v.is_multiple_of(size) {
+                return Err(err(field, format!("{v} is not divisible by the tensor-parallel size {size}")));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks every field and their consistency; the error names the first bad field.
     pub fn validate(&self) -> Result<()> {
         let positive = |field: &'static str, v: usize| {

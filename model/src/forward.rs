@@ -25,7 +25,7 @@ use holdfast_attention::{
     RaggedKv, SparseAttention, SwaBuilder,
 };
 use holdfast_graph::{BatchDescriptor, Forward, GraphError, PersistentArena, PieceCtx, RuntimeMode, StepKind};
-use holdfast_hal::{Buffer, Device, PinnedBuffer, Stream, View};
+use holdfast_hal::{Buffer, Communicator, Device, PinnedBuffer, ReduceOp, Stream, View};
 use holdfast_kernels::{DenseKernels, Gemm};
 use holdfast_mhc::{
     HcHeadParams, HcHeadWeights, MhcConfig, MhcKernels, MhcOps, MhcPostInputs, MhcPreOutputs, MhcPreParams,
@@ -98,6 +98,19 @@ pub struct ModelForward {
     scratch: Vec<i32>,
     /// Per layer, the names of its attention op and its FFN piece (error context).
     op_names: Vec<(String, String)>,
+    /// This rank's communicator under tensor parallelism.
+    tp: Option<Communicator>,
+    /// Query heads, output groups and FFN columns of this rank (the whole model's without
+    /// tensor parallelism).
+    local: LocalDims,
+}
+
+/// The split dimensions one rank computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct LocalDims {
+    heads: usize,
+    o_groups: usize,
+    ffn: usize,
 }
 
 impl std::fmt::Debug for ModelForward {
@@ -126,6 +139,8 @@ mod buf {
     pub const O: &str = "attn_o";
     pub const OA: &str = "attn_o_a";
     pub const Y: &str = "y";
+    /// f32 partial sums of a row-parallel projection (tensor parallelism), all-reduced in place.
+    pub const YP: &str = "y_partial";
     pub const GU: &str = "ffn_gate_up";
     pub const ACT: &str = "ffn_act";
     pub const IQ: &str = "index_q";
@@ -153,7 +168,46 @@ impl ModelForward {
         swa_table: holdfast_attention::BlockTableConfig,
         kv_table: holdfast_attention::BlockTableConfig,
     ) -> Result<Self> {
+        Self::new_tp(dev, cfg, weights, limits, swa_table, kv_table, None)
+    }
+
+    /// As [`ModelForward::new`] for one rank of a tensor-parallel group: `weights` are the rank's
+    /// shard ([`crate::weights::Shard`]) and `comm` its communicator (its rank and size must be
+    /// the shard's). The rank computes its query heads (attention is per head), its output
+    /// groups and its FFN columns; the two row-parallel projections (`wo_b`, `w2`) produce f32
+    /// partial sums that one all-reduce per sublayer adds across the ranks, then one round to
+    /// bf16. Everything else (norms, latent KV, compressors, indexer, mHC, LM head) is
+    /// replicated, so every rank holds the same activations and samples the same tokens.
+    pub fn new_tp(
+        dev: &Device,
+        cfg: &ModelConfig,
+        weights: Weights,
+        limits: ForwardLimits,
+        swa_table: holdfast_attention::BlockTableConfig,
+        kv_table: holdfast_attention::BlockTableConfig,
+        tp: Option<Communicator>,
+    ) -> Result<Self> {
         cfg.validate()?;
+        let shard = weights.shard;
+        let size = tp.as_ref().map_or(1, Communicator::size);
+        if tp.as_ref().map_or(shard.rank != 0 || shard.size != 1, |c| c.rank() != shard.rank || c.size() != shard.size)
+        {
+            return Err(ModelError::Setting {
+                setting: "tensor_parallel",
+                detail: format!(
+                    "the weights are shard {} of {} but the communicator is rank {} of {size}",
+                    shard.rank,
+                    shard.size,
+                    tp.as_ref().map_or(0, Communicator::rank)
+                ),
+            });
+        }
+        cfg.validate_tp(size)?;
+        let local = LocalDims {
+            heads: cfg.num_attention_heads / size,
+            o_groups: cfg.o_groups / size,
+            ffn: cfg.moe_intermediate_size / size,
+        };
         let ForwardLimits { max_num_batched_tokens: tm, max_num_seqs: sm, max_model_len } = limits;
         if tm == 0 || sm == 0 || max_model_len == 0 {
             return Err(ModelError::Setting {
@@ -176,7 +230,7 @@ impl ModelForward {
             swa_table,
             kv_table,
         };
-        let (h, d, heads, n) = (cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.hc_mult);
+        let (h, d, heads, n) = (cfg.hidden_size, cfg.head_dim, local.heads, cfg.hc_mult);
         let common = CommonAttentionMetadata::new(dev, common_cfg)?;
         let swa = SwaBuilder::new(dev, &common_cfg, cfg.sliding_window)?;
         let c128a = if cfg.has_c128a() { Some(C128aBuilder::new(dev, &common_cfg)?) } else { None };
@@ -234,7 +288,7 @@ impl ModelForward {
         }
 
         let mut arena = PersistentArena::new(dev);
-        let (q, f, r, gq) = (cfg.q_lora_rank, cfg.moe_intermediate_size, cfg.o_lora_rank, cfg.o_groups);
+        let (q, f, r, gq) = (cfg.q_lora_rank, local.ffn, cfg.o_lora_rank, local.o_groups);
         arena.alloc::<i32>(buf::IDS, tm)?;
         arena.alloc::<i32>(buf::ROWS, sm)?;
         arena.alloc::<bf16>(buf::H, tm * h)?;
@@ -252,6 +306,9 @@ impl ModelForward {
         arena.alloc::<bf16>(buf::O, tm * heads * d)?;
         arena.alloc::<bf16>(buf::OA, tm * gq * r)?;
         arena.alloc::<bf16>(buf::Y, tm * h)?;
+        if tp.is_some() {
+            arena.alloc::<f32>(buf::YP, tm * h)?;
+        }
         arena.alloc::<bf16>(buf::GU, tm * 2 * f)?;
         arena.alloc::<bf16>(buf::ACT, tm * f)?;
         if cfg.has_c4a() {
@@ -298,6 +355,8 @@ impl ModelForward {
             op_names: (0..cfg.num_hidden_layers)
                 .map(|l| (format!("layers.{l}.attention"), format!("layers.{l}.ffn")))
                 .collect(),
+            tp,
+            local,
         })
     }
 
@@ -479,7 +538,7 @@ impl ModelForward {
         let c = &self.cfg;
         let w = &self.weights.layers[l];
         let (h, d, heads, q, rope, eps) =
-            (c.hidden_size, c.head_dim, c.num_attention_heads, c.q_lora_rank, c.qk_rope_head_dim, c.rms_norm_eps);
+            (c.hidden_size, c.head_dim, self.local.heads, c.q_lora_rank, c.qk_rope_head_dim, c.rms_norm_eps);
         let theta = c.layer_rope_theta(l);
         let dk = &self.dense;
         let positions = self.common.positions()?.slice(0, t)?;
@@ -535,12 +594,31 @@ impl ModelForward {
         let sink = w.attn_sink.view();
         self.attn.attend(s, &qh, &main, extra.as_ref(), &sink, &o, 1.0 / (d as f32).sqrt())?;
         dk.rope(s, &o, &positions, t, heads, d, rope, theta, true)?;
-        let (gq, r) = (c.o_groups, c.o_lora_rank);
+        let (gq, r) = (self.local.o_groups, c.o_lora_rank);
         let oa = self.v::<bf16>(buf::OA, t * gq * r)?;
         dk.matmul(s, &o, &w.wo_a.view(), &oa, Gemm { t, n: r, k: heads * d / gq, groups: gq })?;
-        let y = self.v::<bf16>(buf::Y, t * h)?;
-        dk.matmul(s, &oa, &w.wo_b.view(), &y, Gemm { t, n: h, k: gq * r, groups: 1 })?;
+        self.row_parallel(s, &oa, &w.wo_b, Gemm { t, n: h, k: gq * r, groups: 1 })
+    }
+
+    /// `y [t, H] = x · wᵀ` for a projection whose input features are split across the
+    /// tensor-parallel ranks: without tensor parallelism one bf16 matmul; with it, this rank's
+    /// f32 partial sums, one all-reduce (in place), then one round to bf16.
+    fn row_parallel(&self, s: &Stream, x: &View<bf16>, w: &Buffer<bf16>, g: Gemm) -> Result<()> {
+        let y = self.v::<bf16>(buf::Y, g.t * g.n)?;
+        let Some(comm) = &self.tp else {
+            self.dense.matmul(s, x, &w.view(), &y, g)?;
+            return Ok(());
+        };
+        let yp = self.v::<f32>(buf::YP, g.t * g.n)?;
+        self.dense.matmul_f32(s, x, &w.view(), &yp, g)?;
+        comm.all_reduce(s, &yp, &yp, ReduceOp::Sum)?;
+        self.dense.to_bf16(s, &yp, &y, g.t * g.n)?;
         Ok(())
+    }
+
+    /// This rank's communicator, under tensor parallelism.
+    pub fn communicator(&self) -> Option<&Communicator> {
+        self.tp.as_ref()
     }
 
     /// `residual ← post(y)`, then the pre of `next` into `x` and post/comb set `to`.
@@ -567,7 +645,7 @@ impl ModelForward {
     fn ffn_piece(&self, s: &Stream, l: usize, t: usize) -> Result<()> {
         let c = &self.cfg;
         let w = &self.weights.layers[l];
-        let (h, n, f, eps) = (c.hidden_size, c.hc_mult, c.moe_intermediate_size, c.rms_norm_eps);
+        let (h, n, f, eps) = (c.hidden_size, c.hc_mult, self.local.ffn, c.rms_norm_eps);
         let dk = &self.dense;
         // After attention the live post/comb set is 0; after the FFN's pre it is 1.
         self.post_pre(s, t, 0, &w.hc_ffn)?;
@@ -577,8 +655,8 @@ impl ModelForward {
         dk.matmul(s, &xn, &w.w13.view(), &gu, Gemm { t, n: 2 * f, k: h, groups: 1 })?;
         let act = self.v::<bf16>(buf::ACT, t * f)?;
         dk.swiglu(s, &gu, &act, t, f, c.swiglu_limit)?;
+        self.row_parallel(s, &act, &w.w2, Gemm { t, n: h, k: f, groups: 1 })?;
         let y = self.v::<bf16>(buf::Y, t * h)?;
-        dk.matmul(s, &act, &w.w2.view(), &y, Gemm { t, n: h, k: f, groups: 1 })?;
         if l + 1 < c.num_hidden_layers {
             return self.post_pre(s, t, 1, &self.weights.layers[l + 1].hc_attn);
         }
@@ -658,9 +736,12 @@ impl Forward for ModelForward {
         pieces.piece(stream, |s| this.head_piece(s, t).map_err(g("embed + layer 0 mhc_pre")))?;
         let h = this.cfg.hidden_size;
         for l in 0..this.cfg.num_hidden_layers {
-            let y = this.arena.view::<bf16>(buf::Y, t * h)?.raw();
+            let mut outputs = vec![this.arena.view::<bf16>(buf::Y, t * h)?.raw()];
+            if this.tp.is_some() {
+                outputs.push(this.arena.view::<f32>(buf::YP, t * h)?.raw());
+            }
             let (attn, ffn) = &this.op_names[l];
-            pieces.splitting_op(stream, attn, &[y], |s| this.attention(s, l, t, &meta).map_err(g(attn)))?;
+            pieces.splitting_op(stream, attn, &outputs, |s| this.attention(s, l, t, &meta).map_err(g(attn)))?;
             pieces.piece(stream, |s| this.ffn_piece(s, l, t).map_err(g(ffn)))?;
         }
         Ok(())

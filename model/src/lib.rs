@@ -23,5 +23,7 @@ pub mod weights;
 pub use config::ModelConfig;
 pub use error::{ModelError, Result};
 pub use forward::{ForwardLimits, ModelForward};
-pub use runner::{ModelRunner, RunnerSettings, ServeReport, StepResult};
-pub use weights::{SeededInit, WeightSource, Weights};
+pub use runner::{
+    serve_tensor_parallel, ModelRunner, RankStep, RunnerSettings, ServeReport, StepResult, TensorParallelReport,
+};
+pub use weights::{SeededInit, Shard, WeightSource, Weights};

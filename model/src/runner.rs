@@ -9,14 +9,14 @@ use holdfast_graph::{
     FallbackReason, GraphMode, GraphRunner, LoraConfig, ModeSet, ResolveContext, Resolved, RunnerConfig, RunnerStats,
     RuntimeMode,
 };
-use holdfast_hal::{Device, Stream};
+use holdfast_hal::{Communicator, Device, Stream};
 
 use crate::config::ModelConfig;
 use crate::error::{ModelError, Result};
 use crate::forward::{sample_rows, ForwardLimits, ModelForward};
 use crate::kv::{KvConfig, KvManager};
 use crate::scheduler::{Finished, Request, Scheduler, SchedulerConfig, Step};
-use crate::weights::{SeededInit, WeightSource, Weights};
+use crate::weights::{SeededInit, Shard, WeightSource, Weights};
 
 /// Tokens per block of the SWA cache (DeepSeek-V4).
 pub const SWA_BLOCK_SIZE: usize = 64;
@@ -139,6 +139,27 @@ impl ModelRunner {
         settings: &RunnerSettings,
         src: &mut dyn WeightSource,
     ) -> Result<Self> {
+        Self::build(dev, cfg, settings, src, None)
+    }
+
+    /// Builds one rank of a tensor-parallel group on `comm`'s device: the rank's shard of the
+    /// seeded weights ([`Weights::load_shard`]) and a forward whose row-parallel projections
+    /// all-reduce over `comm` ([`ModelForward::new_tp`]). Every rank must be built with the
+    /// same `cfg` and `settings` and then driven with the same steps in the same order, each
+    /// from its own thread (the collectives wait for every rank); [`serve_tensor_parallel`]
+    /// does that.
+    pub fn tensor_parallel(cfg: &ModelConfig, settings: &RunnerSettings, comm: Communicator) -> Result<Self> {
+        let dev = comm.device().clone();
+        Self::build(&dev, cfg, settings, &mut SeededInit { seed: settings.seed }, Some(comm))
+    }
+
+    fn build(
+        dev: &Device,
+        cfg: &ModelConfig,
+        settings: &RunnerSettings,
+        src: &mut dyn WeightSource,
+        tp: Option<Communicator>,
+    ) -> Result<Self> {
         cfg.validate()?;
         let s = settings;
         if s.max_num_seqs == 0 || s.max_num_seqs > s.max_num_batched_tokens {
@@ -213,13 +234,14 @@ impl ModelRunner {
             attention_is_splitting_op: true,
         })?;
         dispatcher.initialize_keys(resolved.mode, 1)?;
-        let weights = Weights::load(dev, cfg, src)?;
+        let shard = tp.as_ref().map_or(Shard::WHOLE, |c| Shard { rank: c.rank(), size: c.size() });
+        let weights = Weights::load_shard(dev, cfg, src, shard)?;
         let limits = ForwardLimits {
             max_num_batched_tokens: s.max_num_batched_tokens,
             max_num_seqs: s.max_num_seqs,
             max_model_len: s.max_model_len,
         };
-        let forward = ModelForward::new(dev, cfg, weights, limits, kv.swa_table(), kv.kv_table())?;
+        let forward = ModelForward::new_tp(dev, cfg, weights, limits, kv.swa_table(), kv.kv_table(), tp)?;
         let arena = forward.arena().clone();
         let runner = GraphRunner::new(forward, arena, &dispatcher, RunnerConfig::default())?;
         Ok(ModelRunner { stream: dev.create_stream()?, runner, dispatcher, resolved, kv, settings: s.clone() })
@@ -365,4 +387,108 @@ impl ModelRunner {
         rep.seconds = t0.elapsed().as_secs_f64();
         Ok(rep)
     }
+}
+
+/// One step as one tensor-parallel rank ran it: the runtime mode, the dispatched descriptor and
+/// the sampled tokens.
+pub type RankStep = (RuntimeMode, BatchDescriptor, Vec<i32>);
+
+/// What [`serve_tensor_parallel`] did.
+#[derive(Clone, Debug)]
+pub struct TensorParallelReport {
+    /// Ranks in the group.
+    pub ranks: usize,
+    /// Rank 0's serving report (every rank's outputs are checked equal to it).
+    pub report: ServeReport,
+    /// Every step as the ranks ran it (checked equal on every rank).
+    pub steps: Vec<RankStep>,
+    /// Seconds each rank took to capture its graphs, by rank.
+    pub capture_seconds: Vec<f64>,
+}
+
+/// Serves `requests` tensor-parallel over `devices` (rank i on `devices[i]`, one thread per rank;
+/// on the CPU backend the ranks are emulated in this process): every rank builds its shard of
+/// the seeded model, captures its graphs (the ranks in lockstep: warm-up runs execute the
+/// collectives) and runs the same deterministic scheduler, so every step is dispatched to the
+/// same descriptor on every rank. Afterwards the ranks' steps (mode, descriptor, sampled tokens)
+/// and outputs are compared: any difference is an error naming the step and the rank. A rank
+/// that fails makes the others fail too (their next collective times out); the first error that
+/// is not a collective's is returned.
+pub fn serve_tensor_parallel(
+    devices: &[Device],
+    cfg: &ModelConfig,
+    settings: &RunnerSettings,
+    requests: Vec<Request>,
+) -> Result<TensorParallelReport> {
+    cfg.validate_tp(devices.len().max(1))?;
+    let comms = Communicator::group(devices)?;
+    let ranks = comms.len();
+    let results: Vec<Result<(ServeReport, Vec<RankStep>, f64)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let requests = requests.clone();
+                scope.spawn(move || -> Result<(ServeReport, Vec<RankStep>, f64)> {
+                    let mut runner = ModelRunner::tensor_parallel(cfg, settings, comm)?;
+                    let capture = runner.capture_all(|_, _, _| {})?;
+                    let mut steps = Vec::new();
+                    let report = runner.serve(requests, |_, r| steps.push((r.mode, r.desc, r.tokens.clone())))?;
+                    Ok((report, steps, capture))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| Err(ModelError::Step(format!("tensor-parallel rank {rank} panicked"))))
+            })
+            .collect()
+    });
+    let mut ok = Vec::with_capacity(ranks);
+    let mut first_err: Option<ModelError> = None;
+    let mut first_is_collective = true;
+    for (rank, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(v) => ok.push(v),
+            Err(e) => {
+                let collective = matches!(
+                    &e,
+                    ModelError::Hal(holdfast_hal::HalError::CollectiveTimeout { .. })
+                        | ModelError::Hal(holdfast_hal::HalError::CollectiveAborted { .. })
+                );
+                // A root cause (not a collective timing out behind it) replaces a collective error.
+                let wrapped = ModelError::Step(format!("tensor-parallel rank {rank}: {e}"));
+                match &first_err {
+                    None => first_err = Some(wrapped),
+                    Some(_) if !collective && first_is_collective => first_err = Some(wrapped),
+                    Some(_) => {}
+                }
+                first_is_collective = first_is_collective && collective;
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let mut it = ok.into_iter();
+    let (report, steps, capture0) = it.next().ok_or_else(|| ModelError::Step("no ranks".into()))?;
+    let mut capture_seconds = vec![capture0];
+    for (i, (rep, st, cap)) in it.enumerate() {
+        let rank = i + 1;
+        capture_seconds.push(cap);
+        if let Some((k, (a, b))) = steps.iter().zip(&st).enumerate().find(|(_, (a, b))| a != b) {
+            return Err(ModelError::Step(format!(
+                "tensor-parallel ranks disagree at step {k}: rank 0 ran {a:?}, rank {rank} ran {b:?}"
+            )));
+        }
+        if st.len() != steps.len() || rep.outputs != report.outputs {
+            return Err(ModelError::Step(format!(
+                "tensor-parallel rank {rank} ran {} steps / produced different outputs than rank 0 ({} steps)",
+                st.len(),
+                steps.len()
+            )));
+        }
+    }
+    Ok(TensorParallelReport { ranks, report, steps, capture_seconds })
 }

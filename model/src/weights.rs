@@ -153,7 +153,8 @@ pub struct LayerWeights {
     pub wq_a: Buffer<bf16>,
     /// `q_norm [q_lora_rank]`.
     pub q_norm: Buffer<bf16>,
-    /// `wq_b [heads · head_dim, q_lora_rank]`.
+    /// `wq_b [heads · head_dim, q_lora_rank]` (a rank's heads only under tensor parallelism, as
+    /// are `attn_sink`, `wo_a`'s groups, `wo_b`'s columns and the FFN's columns; see [`Shard`]).
     pub wq_b: Buffer<bf16>,
     /// `wkv [head_dim, H]` (the latent KV, shared by every head).
     pub wkv: Buffer<bf16>,
@@ -200,34 +201,104 @@ pub struct Weights {
     pub head: Buffer<bf16>,
     /// Bytes on the device.
     pub bytes: usize,
+    /// The part of the model these are.
+    pub shard: Shard,
+}
+
+/// The part of the weights one tensor-parallel rank holds: rank `rank` of `size` (`size = 1`:
+/// everything). Query heads, output groups and FFN columns are split in contiguous blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shard {
+    /// This rank, `0..size`.
+    pub rank: usize,
+    /// Ranks in the group.
+    pub size: usize,
+}
+
+impl Shard {
+    /// The whole model on one device.
+    pub const WHOLE: Shard = Shard { rank: 0, size: 1 };
+}
+
+/// How a tensor is split across ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Split {
+    /// Every rank holds all of it.
+    Whole,
+    /// Rank r holds the r-th contiguous block of the first dimension (column-parallel outputs,
+    /// heads, groups).
+    Rows,
+    /// Rank r holds the r-th block of the last dimension in every row (row-parallel inputs).
+    Cols,
+    /// `[2·F, H]` gate rows then up rows: rank r holds its block of each half, gate then up.
+    GateUp,
+}
+
+/// `shard`'s part of a row-major tensor `full` of `shape` under `split` (the full tensor when
+/// the split is `Whole` or the group has one rank).
+fn take_shard<T: Copy>(full: Vec<T>, shape: &[usize], split: Split, shard: Shard) -> Vec<T> {
+    let (r, n) = (shard.rank, shard.size);
+    if n == 1 || split == Split::Whole {
+        return full;
+    }
+    let rows = shape.first().copied().unwrap_or(1);
+    let row_len = full.len() / rows.max(1);
+    match split {
+        Split::Whole => full,
+        Split::Rows => full[r * (rows / n) * row_len..(r + 1) * (rows / n) * row_len].to_vec(),
+        Split::Cols => {
+            let cols = shape.last().copied().unwrap_or(1);
+            let c = cols / n;
+            full.chunks(cols).flat_map(|row| row[r * c..(r + 1) * c].iter().copied()).collect()
+        }
+        Split::GateUp => {
+            let half = rows / 2 * row_len;
+            let block = half / n;
+            let (gate, up) = full.split_at(half);
+            gate[r * block..(r + 1) * block].iter().chain(&up[r * block..(r + 1) * block]).copied().collect()
+        }
+    }
 }
 
 struct Loader<'a> {
     dev: &'a Device,
     src: &'a mut dyn WeightSource,
+    shard: Shard,
     bytes: usize,
 }
 
 impl Loader<'_> {
     fn bf16(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Buffer<bf16>> {
+        self.bf16_split(name, shape, init, Split::Whole)
+    }
+
+    fn f32(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Buffer<f32>> {
+        self.f32_split(name, shape, init, Split::Whole)
+    }
+
+    /// Fills the whole tensor (a source sees the same names, shapes and values on every rank),
+    /// then keeps this rank's part.
+    fn bf16_split(&mut self, name: &str, shape: &[usize], init: Init, split: Split) -> Result<Buffer<bf16>> {
         let n: usize = shape.iter().product();
         let mut host = vec![bf16::ZERO; n];
         self.src.fill_bf16(name, shape, init, &mut host)?;
         if let Some(i) = host.iter().position(|v| !v.is_finite()) {
             return Err(ModelError::Step(format!("weight {name}: element {i} is not finite")));
         }
-        self.bytes += n * 2;
+        let host = take_shard(host, shape, split, self.shard);
+        self.bytes += host.len() * 2;
         Ok(self.dev.alloc_from_slice(name, &host, true)?)
     }
 
-    fn f32(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Buffer<f32>> {
+    fn f32_split(&mut self, name: &str, shape: &[usize], init: Init, split: Split) -> Result<Buffer<f32>> {
         let n: usize = shape.iter().product();
         let mut host = vec![0.0f32; n];
         self.src.fill_f32(name, shape, init, &mut host)?;
         if let Some(i) = host.iter().position(|v| !v.is_finite()) {
             return Err(ModelError::Step(format!("weight {name}: element {i} is not finite")));
         }
-        self.bytes += n * 4;
+        let host = take_shard(host, shape, split, self.shard);
+        self.bytes += host.len() * 4;
         Ok(self.dev.alloc_from_slice(name, &host, true)?)
     }
 
@@ -256,10 +327,25 @@ fn fan_in(k: usize) -> f32 {
 impl Weights {
     /// Allocates and fills every tensor of `cfg` on `dev` (persistent buffers: graphs read them).
     pub fn load(dev: &Device, cfg: &ModelConfig, src: &mut dyn WeightSource) -> Result<Self> {
+        Self::load_shard(dev, cfg, src, Shard::WHOLE)
+    }
+
+    /// As [`Weights::load`], keeping `shard`'s part of the split tensors: `wq_b` and the
+    /// attention sinks by query head, `wo_a` by output group, `wo_b` by its input columns (the
+    /// groups), `w13` by FFN column (gate and up alike), `w2` by its input columns; everything
+    /// else whole. The values are the whole model's, so the ranks together hold exactly it.
+    pub fn load_shard(dev: &Device, cfg: &ModelConfig, src: &mut dyn WeightSource, shard: Shard) -> Result<Self> {
         cfg.validate()?;
+        cfg.validate_tp(shard.size)?;
+        if shard.rank >= shard.size {
+            return Err(ModelError::Setting {
+                setting: "tensor_parallel_rank",
+                detail: format!("rank {} of a group of {}", shard.rank, shard.size),
+            });
+        }
         let (h, v, d, heads) = (cfg.hidden_size, cfg.vocab_size, cfg.head_dim, cfg.num_attention_heads);
         let (n, q, f, g, r) = (cfg.hc_mult, cfg.q_lora_rank, cfg.moe_intermediate_size, cfg.o_groups, cfg.o_lora_rank);
-        let mut ld = Loader { dev, src, bytes: 0 };
+        let mut ld = Loader { dev, src, shard, bytes: 0 };
         let embed = ld.bf16("embed.weight", &[v, h], Init::Normal(1.0))?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for l in 0..cfg.num_hidden_layers {
@@ -288,19 +374,34 @@ impl Weights {
                 attn_norm: ld.bf16(&format!("{p}.attn_norm"), &[h], Init::NearOne(0.05))?,
                 wq_a: ld.bf16(&format!("{p}.attn.wq_a"), &[q, h], Init::Normal(fan_in(h)))?,
                 q_norm: ld.bf16(&format!("{p}.attn.q_norm"), &[q], Init::NearOne(0.05))?,
-                wq_b: ld.bf16(&format!("{p}.attn.wq_b"), &[heads * d, q], Init::Normal(fan_in(q)))?,
+                wq_b: ld.bf16_split(
+                    &format!("{p}.attn.wq_b"),
+                    &[heads * d, q],
+                    Init::Normal(fan_in(q)),
+                    Split::Rows,
+                )?,
                 wkv: ld.bf16(&format!("{p}.attn.wkv"), &[d, h], Init::Normal(fan_in(h)))?,
                 kv_norm: ld.bf16(&format!("{p}.attn.kv_norm"), &[d], Init::NearOne(0.05))?,
-                attn_sink: ld.f32(&format!("{p}.attn.sink"), &[heads], Init::Normal(1.0))?,
-                wo_a: ld.bf16(&format!("{p}.attn.wo_a"), &[g, r, wo_in], Init::Normal(fan_in(wo_in)))?,
-                wo_b: ld.bf16(&format!("{p}.attn.wo_b"), &[h, g * r], Init::Normal(0.5 * fan_in(g * r)))?,
+                attn_sink: ld.f32_split(&format!("{p}.attn.sink"), &[heads], Init::Normal(1.0), Split::Rows)?,
+                wo_a: ld.bf16_split(
+                    &format!("{p}.attn.wo_a"),
+                    &[g, r, wo_in],
+                    Init::Normal(fan_in(wo_in)),
+                    Split::Rows,
+                )?,
+                wo_b: ld.bf16_split(
+                    &format!("{p}.attn.wo_b"),
+                    &[h, g * r],
+                    Init::Normal(0.5 * fan_in(g * r)),
+                    Split::Cols,
+                )?,
                 compressor,
                 indexer,
                 hc_attn: ld.hc(&format!("{p}.hc_attn"), n, h)?,
                 hc_ffn: ld.hc(&format!("{p}.hc_ffn"), n, h)?,
                 ffn_norm: ld.bf16(&format!("{p}.ffn_norm"), &[h], Init::NearOne(0.05))?,
-                w13: ld.bf16(&format!("{p}.ffn.w13"), &[2 * f, h], Init::Normal(fan_in(h)))?,
-                w2: ld.bf16(&format!("{p}.ffn.w2"), &[h, f], Init::Normal(0.5 * fan_in(f)))?,
+                w13: ld.bf16_split(&format!("{p}.ffn.w13"), &[2 * f, h], Init::Normal(fan_in(h)), Split::GateUp)?,
+                w2: ld.bf16_split(&format!("{p}.ffn.w2"), &[h, f], Init::Normal(0.5 * fan_in(f)), Split::Cols)?,
             });
         }
         let hc_head_fn = ld.f32("hc_head.fn", &[n, n * h], Init::Normal(fan_in(n * h)))?;
@@ -309,6 +410,6 @@ impl Weights {
         let norm = ld.bf16("norm.weight", &[h], Init::NearOne(0.05))?;
         let head = ld.bf16("head.weight", &[v, h], Init::Normal(fan_in(h) * 4.0))?;
         let bytes = ld.bytes;
-        Ok(Weights { embed, layers, hc_head_fn, hc_head_scale, hc_head_base, norm, head, bytes })
+        Ok(Weights { embed, layers, hc_head_fn, hc_head_scale, hc_head_base, norm, head, bytes, shard })
     }
 }
