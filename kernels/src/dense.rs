@@ -79,7 +79,8 @@ use holdfast_hal::{bf16, BackendKind, Device, DeviceInfo, Kernel, LaunchConfig, 
 
 use crate::dense_source::{dense_source, ARGMAX_THREADS, MATMUL_BM, MATMUL_BN, MATMUL_THREADS, NORM_THREADS};
 pub use crate::dense_source::{
-    mma_splits, MATMUL_MMA_SMALL_T_MAX, MATMUL_MMA_WARPS, MATMUL_SMALL_T_BN, MATMUL_SMALL_T_MAX, MATMUL_SMALL_T_THREADS,
+    mma_splits, MATMUL_MMA_SMALL_T_MAX, MATMUL_MMA_TILED_MIN_BLOCKS, MATMUL_MMA_TILED_MIN_T, MATMUL_MMA_WARPS,
+    MATMUL_SMALL_T_BN, MATMUL_SMALL_T_MAX, MATMUL_SMALL_T_THREADS,
 };
 use crate::{shape, u32_of, Result};
 
@@ -137,35 +138,70 @@ impl Gemm {
 /// Bf16 elements per row of a tensor-core matmul stage in shared memory (32 k + 8 padding).
 const MMA_PITCH: usize = 40;
 
+/// The tensor-core kernel a shape runs (all three give a row the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MmaKernel {
+    /// 16 rows per block, k split across the block's warps (`t ≤ 16`).
+    Rows16,
+    /// 64 rows per block, k split across the block's warps.
+    Rows64,
+    /// 64 × 128 block tiles, k walked in order by the block (many rows and columns).
+    Tiled,
+}
+
 impl Gemm {
-    /// Rows of x per tensor-core block: 16 for `t ≤ 16`, else 64.
-    pub const fn mma_rows_per_block(&self) -> usize {
+    /// The tensor-core kernel of this shape: [`MmaKernel::Rows16`] for `t ≤ 16`,
+    /// [`MmaKernel::Tiled`] for `t ≥ 65` with at least [`MATMUL_MMA_TILED_MIN_BLOCKS`] of its
+    /// blocks, else [`MmaKernel::Rows64`].
+    pub fn mma_kernel(&self) -> MmaKernel {
+        let tiled_blocks = self.n.div_ceil(128) * self.t.div_ceil(64) * self.groups;
         if self.t <= MATMUL_MMA_SMALL_T_MAX {
+            MmaKernel::Rows16
+        } else if self.t >= MATMUL_MMA_TILED_MIN_T && tiled_blocks >= MATMUL_MMA_TILED_MIN_BLOCKS {
+            MmaKernel::Tiled
+        } else {
+            MmaKernel::Rows64
+        }
+    }
+
+    /// Rows of x per tensor-core block: 16 for `t ≤ 16`, else 64.
+    pub fn mma_rows_per_block(&self) -> usize {
+        if self.mma_kernel() == MmaKernel::Rows16 {
             16
         } else {
             64
         }
     }
 
-    /// The launch configuration of the tensor-core kernels: 256 threads; grid
-    /// `(⌈n / (16 · 8 / splits)⌉, ⌈t / rows⌉, groups)` with `rows` from
-    /// [`Gemm::mma_rows_per_block`] and `splits` from [`mma_splits`]; dynamic shared memory for
-    /// the stages (four of 32 rows × 80 bytes per warp at 16 rows, three of 80 rows at 64).
+    /// The launch configuration of the tensor-core kernels, 256 threads: for the 16- and 64-row
+    /// kernels grid `(⌈n / (16 · 8 / splits)⌉, ⌈t / rows⌉, groups)` with `splits` from
+    /// [`mma_splits`], dynamic shared memory for the warps' stages (four of 32 rows × 80 bytes per
+    /// warp at 16 rows, three of 80 rows at 64); for the tiled kernel grid `(⌈n / 128⌉, ⌈t /
+    /// 64⌉, groups)` and three stages of 192 rows × 80 bytes.
     pub fn mma_launch_config(&self) -> LaunchConfig {
         let dim = |v: usize, tile: usize| v.div_ceil(tile).max(1).min(u32::MAX as usize) as u32;
+        let kernel = self.mma_kernel();
         let (splits, _) = mma_splits(self.k);
-        let rows = self.mma_rows_per_block();
+        let (cols, rows) = match kernel {
+            MmaKernel::Tiled => (128, 64),
+            _ => (16 * (MATMUL_MMA_WARPS / splits), self.mma_rows_per_block()),
+        };
         LaunchConfig {
-            grid: (dim(self.n, 16 * (MATMUL_MMA_WARPS / splits)), dim(self.t, rows), dim(self.groups, 1)),
+            grid: (dim(self.n, cols), dim(self.t, rows), dim(self.groups, 1)),
             block: (32 * MATMUL_MMA_WARPS as u32, 1, 1),
-            shared_mem_bytes: mma_shared_bytes(rows) as u32,
+            shared_mem_bytes: mma_shared_bytes(kernel) as u32,
         }
     }
 }
 
-/// Dynamic shared memory of a tensor-core matmul block of `rows` rows: the warps' stages, which
-/// the end-of-block reduction reuses.
-pub const fn mma_shared_bytes(rows: usize) -> usize {
+/// Dynamic shared memory of a tensor-core matmul block: the stages (per warp for the 16- and
+/// 64-row kernels, whose end-of-block reduction reuses them; shared for the tiled one).
+pub const fn mma_shared_bytes(kernel: MmaKernel) -> usize {
+    let rows = match kernel {
+        MmaKernel::Rows16 => 16,
+        MmaKernel::Rows64 => 64,
+        MmaKernel::Tiled => return 3 * (64 + 128) * MMA_PITCH * 2,
+    };
     let stages = if rows <= 16 { 4 } else { 3 };
     let pipeline = MATMUL_MMA_WARPS * stages * (rows + 16) * MMA_PITCH * 2;
     let reduction = MATMUL_MMA_WARPS * rows * 16 * 4;
@@ -226,8 +262,8 @@ pub struct DenseKernels {
     matmul_f32: Kernel,
     matmul_small_t_bf16: Kernel,
     matmul_small_t_f32: Kernel,
-    /// Tensor-core entries `[16-row bf16, 16-row f32, 64-row bf16, 64-row f32]`, when selected.
-    mma: Option<[Kernel; 4]>,
+    /// Tensor-core entries `[16-row, 64-row, tiled]` × `[bf16, f32]`, when selected.
+    mma: Option<[Kernel; 6]>,
     rms_norm: Kernel,
     rope: Kernel,
     swiglu: Kernel,
@@ -250,13 +286,15 @@ impl DenseKernels {
         let info = dev.info();
         let mma = if matmul == MatmulKernel::Auto
             && has_bf16_tensor_cores(info)
-            && mma_shared_bytes(64) <= info.max_shared_mem_per_block as usize
+            && mma_shared_bytes(MmaKernel::Rows64) <= info.max_shared_mem_per_block as usize
         {
             Some([
                 m.kernel("hf_matmul_mma16_bf16")?,
                 m.kernel("hf_matmul_mma16_f32")?,
                 m.kernel("hf_matmul_mma64_bf16")?,
                 m.kernel("hf_matmul_mma64_f32")?,
+                m.kernel("hf_matmul_mma_tiled_bf16")?,
+                m.kernel("hf_matmul_mma_tiled_f32")?,
             ])
         } else {
             None
@@ -329,7 +367,12 @@ impl DenseKernels {
         ];
         if let (Some(mma), true) = (&self.mma, self.matmul_uses_tensor_cores(x, w, g)) {
             let (splits, split_len) = mma_splits(g.k);
-            let kernel = &mma[usize::from(f32_out) + if g.mma_rows_per_block() == 16 { 0 } else { 2 }];
+            let base = match g.mma_kernel() {
+                MmaKernel::Rows16 => 0,
+                MmaKernel::Rows64 => 2,
+                MmaKernel::Tiled => 4,
+            };
+            let kernel = &mma[base + usize::from(f32_out)];
             let mut margs = args.to_vec();
             margs.push(u32_of(op, "splits", splits)?.into());
             margs.push(u32_of(op, "split_len", split_len)?.into());

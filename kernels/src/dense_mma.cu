@@ -120,6 +120,128 @@ __device__ __forceinline__ void hf_matmul_mma_body(const hf_bf16* __restrict__ x
         if (m < t && col < n) hf_store_f32(y + ((uint64_t)m * groups + g) * n + col, total);
     }
 }
+// The tiled kernel (many rows): a 64 × 128 block tile, 8 warps as 2 × 4 with 32 × 32 warp tiles,
+// x and w tiles shared by the block (32 k per stage, three stages of cp.async in flight, one
+// barrier per stage). The block walks k in order; at the end of each k range it adds the range's
+// accumulators to the total and restarts them, which is the split order step for step: the same
+// mma k steps from the same zeros per range, the ranges added in order (trailing empty ranges
+// add their zeros too), so its rows equal the 16- and 64-row kernels' bit for bit.
+#define HF_MMG_BM 64
+#define HF_MMG_BN 128
+#define HF_MMG_STAGES 3
+template <typename Out>
+__device__ __forceinline__ void hf_matmul_mma_tiled_body(const hf_bf16* __restrict__ x, const hf_bf16* __restrict__ w,
+                                                         Out* __restrict__ y, uint32_t t, uint32_t n, uint32_t k,
+                                                         uint32_t groups, uint32_t splits, uint32_t split_len) {
+    extern __shared__ __align__(16) unsigned char hf_mmg_smem[];
+    constexpr uint32_t ROWS = HF_MMG_BM + HF_MMG_BN;
+    constexpr uint32_t STAGE = ROWS * HF_MMT_PITCH;
+    hf_bf16* buf = reinterpret_cast<hf_bf16*>(hf_mmg_smem);
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, wm = warp / 4, wn = warp % 4;
+    const uint32_t m0 = blockIdx.y * HF_MMG_BM, n0 = blockIdx.x * HF_MMG_BN, g = blockIdx.z;
+    const uint32_t tiles = (k + HF_MMT_BK - 1) / HF_MMT_BK;
+    const uint32_t per_split = split_len / HF_MMT_BK > 0 ? split_len / HF_MMT_BK : 1;
+    const uint64_t xs = (uint64_t)groups * k;
+    const hf_bf16* xg = x + (uint64_t)g * k;
+    const hf_bf16* wg = w + (uint64_t)g * n * k;
+
+    auto load = [&](uint32_t tile, uint32_t slot) {
+        const uint32_t k0 = tile * HF_MMT_BK;
+        hf_bf16* st = buf + slot * STAGE;
+#pragma unroll
+        for (uint32_t c = threadIdx.x; c < ROWS * 4; c += 256) {
+            const uint32_t r = c / 4, kc = k0 + (c % 4) * 8;
+            const hf_bf16* src = x;
+            bool ok = kc < k;
+            if (r < HF_MMG_BM) {
+                ok = ok && m0 + r < t;
+                if (ok) src = xg + (uint64_t)(m0 + r) * xs + kc;
+            } else {
+                ok = ok && n0 + (r - HF_MMG_BM) < n;
+                if (ok) src = wg + (uint64_t)(n0 + (r - HF_MMG_BM)) * k + kc;
+            }
+            hf_cp_async16(hf_smem_addr(st + r * HF_MMT_PITCH + (c % 4) * 8), src, ok ? 16u : 0u);
+        }
+    };
+
+    float acc[2][4][4], total[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[i][q][e] = total[i][q][e] = 0.f;
+
+#pragma unroll
+    for (uint32_t i = 0; i < HF_MMG_STAGES - 1; ++i) {
+        if (i < tiles) load(i, i);
+        hf_cp_async_commit();
+    }
+    const uint32_t ar = 32 * wm + lane % 16, ac = (lane / 16) * 8;
+    const uint32_t br = HF_MMG_BM + 32 * wn + lane % 8 + (lane / 16) * 8, bc = ((lane / 8) % 2) * 8;
+    uint32_t done = 0;
+    for (uint32_t i = 0; i < tiles; ++i) {
+        hf_cp_async_wait<HF_MMG_STAGES - 2>();
+        __syncthreads();
+        const uint32_t next = i + HF_MMG_STAGES - 1;
+        if (next < tiles) load(next, next % HF_MMG_STAGES);
+        hf_cp_async_commit();
+        const hf_bf16* st = buf + (i % HF_MMG_STAGES) * STAGE;
+#pragma unroll
+        for (uint32_t kk = 0; kk < HF_MMT_BK; kk += 16) {
+            uint32_t b[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+                hf_ldsm_x4(hf_smem_addr(st + (br + 16 * h) * HF_MMT_PITCH + kk + bc), b[h][0], b[h][1], b[h][2],
+                           b[h][3]);
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                uint32_t a[4];
+                hf_ldsm_x4(hf_smem_addr(st + (ar + 16 * mt) * HF_MMT_PITCH + kk + ac), a[0], a[1], a[2], a[3]);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    hf_mma_bf16(acc[mt][2 * h], a, b[h][0], b[h][1]);
+                    hf_mma_bf16(acc[mt][2 * h + 1], a, b[h][2], b[h][3]);
+                }
+            }
+        }
+        if ((i + 1) % per_split == 0 || i + 1 == tiles) {
+#pragma unroll
+            for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+                for (int q = 0; q < 4; ++q)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        total[mt][q][e] += acc[mt][q][e];
+                        acc[mt][q][e] = 0.f;
+                    }
+            ++done;
+        }
+    }
+    hf_cp_async_wait_all();
+    for (; done < splits; ++done)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) total[mt][q][e] += acc[mt][q][e];
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const uint32_t m = m0 + 32 * wm + 16 * mt + lane / 4 + (e >= 2 ? 8 : 0);
+                const uint32_t col = n0 + 32 * wn + 8 * q + 2 * (lane % 4) + (e & 1);
+                if (m < t && col < n) hf_store_f32(y + ((uint64_t)m * groups + g) * n + col, total[mt][q][e]);
+            }
+}
+#define HF_MMG_ENTRY(NAME, OUT)                                                                                    \
+    HF_KERNEL void __launch_bounds__(256) NAME(const hf_bf16* x, const hf_bf16* w, OUT* y, uint32_t t, uint32_t n, \
+                                               uint32_t k, uint32_t groups, uint32_t splits, uint32_t split_len) {  \
+        hf_matmul_mma_tiled_body<OUT>(x, w, y, t, n, k, groups, splits, split_len);                               \
+    }
 #define HF_MMT_ENTRY(NAME, MT, STAGES, OUT)                                                                        \
     HF_KERNEL void __launch_bounds__(256) NAME(const hf_bf16* x, const hf_bf16* w, OUT* y, uint32_t t, uint32_t n, \
                                                uint32_t k, uint32_t groups, uint32_t splits, uint32_t split_len) {  \
@@ -131,6 +253,7 @@ __device__ __forceinline__ void hf_matmul_mma_body(const hf_bf16* __restrict__ x
 #define HF_MMT_ENTRY(NAME, MT, STAGES, OUT)                                                                       \
     HF_KERNEL void NAME(const hf_bf16* x, const hf_bf16* w, OUT* y, uint32_t t, uint32_t n, uint32_t k,            \
                         uint32_t groups, uint32_t splits, uint32_t split_len) {}
+#define HF_MMG_ENTRY(NAME, OUT) HF_MMT_ENTRY(NAME, 1, 1, OUT)
 #endif
 
 // 16 rows per block (decode steps), four stages in flight; 64 rows per block, three stages.
@@ -138,3 +261,6 @@ HF_MMT_ENTRY(hf_matmul_mma16_bf16, 1, 4, hf_bf16)
 HF_MMT_ENTRY(hf_matmul_mma16_f32, 1, 4, float)
 HF_MMT_ENTRY(hf_matmul_mma64_bf16, 4, 3, hf_bf16)
 HF_MMT_ENTRY(hf_matmul_mma64_f32, 4, 3, float)
+// 64 × 128 block tiles for many rows.
+HF_MMG_ENTRY(hf_matmul_mma_tiled_bf16, hf_bf16)
+HF_MMG_ENTRY(hf_matmul_mma_tiled_f32, float)

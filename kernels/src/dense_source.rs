@@ -30,6 +30,12 @@ pub const MATMUL_SMALL_T_THREADS: u32 = 128;
 pub const MATMUL_MMA_WARPS: usize = 8;
 /// Most token rows that run the 16-row tensor-core matmul block; larger `t` runs 64-row blocks.
 pub const MATMUL_MMA_SMALL_T_MAX: usize = 16;
+/// Fewest token rows that may run the tiled (64 × 128 block tile) tensor-core matmul, which
+/// also needs [`MATMUL_MMA_TILED_MIN_BLOCKS`] blocks.
+pub const MATMUL_MMA_TILED_MIN_T: usize = 65;
+/// Fewest blocks (`⌈n / 128⌉ · ⌈t / 64⌉ · groups`) for which the tiled kernel runs instead of
+/// the 64-row one (a shape rule, the same on every device).
+pub const MATMUL_MMA_TILED_MIN_BLOCKS: usize = 128;
 
 /// The split order's k ranges for reduction length `k`: `(splits, split_len)`. One range below
 /// k = 1024, else the largest power of two ≤ k / 512, at most [`MATMUL_MMA_WARPS`]; ranges of
@@ -410,7 +416,7 @@ fn to_bf16(l: &CpuLaunch<'_>) -> Result<()> {
 
 /// The dense ops' source: `hf_matmul_bf16`, `hf_matmul_f32` (tiled), `hf_matmul_small_t_bf16`,
 /// `hf_matmul_small_t_f32` (decode-sized t; the same chains, so the same CPU references as the tiled
-/// pair), `hf_matmul_mma{16,64}_{bf16,f32}` (tensor cores, the split order; empty where the target
+/// pair), `hf_matmul_mma{16,64,_tiled}_{bf16,f32}` (tensor cores, the split order; empty where the target
 /// has none), `hf_rms_norm_bf16`, `hf_rope_bf16`, `hf_swiglu_bf16`, `hf_embed_bf16`, `hf_argmax_f32`,
 /// `hf_repeat_rows_bf16`, `hf_to_bf16_f32`, each with its CPU reference (argument lists as in `dense.cu`; launch them through [`crate::DenseKernels`]).
 pub fn dense_source() -> &'static KernelSource {
@@ -451,6 +457,8 @@ pub fn dense_source() -> &'static KernelSource {
                 mma("hf_matmul_mma16_f32", matmul_mma_f32, Param::output::<f32>("y")),
                 mma("hf_matmul_mma64_bf16", matmul_mma_bf16, Param::output::<bf16>("y")),
                 mma("hf_matmul_mma64_f32", matmul_mma_f32, Param::output::<f32>("y")),
+                mma("hf_matmul_mma_tiled_bf16", matmul_mma_bf16, Param::output::<bf16>("y")),
+                mma("hf_matmul_mma_tiled_f32", matmul_mma_f32, Param::output::<f32>("y")),
                 KernelEntry {
                     name: "hf_rms_norm_bf16",
                     params: vec![

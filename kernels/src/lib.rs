@@ -17,7 +17,7 @@ pub mod dense;
 mod dense_source;
 mod source;
 
-pub use dense::{has_bf16_tensor_cores, mma_shared_bytes, DenseKernels, Gemm, MatmulKernel};
+pub use dense::{has_bf16_tensor_cores, mma_shared_bytes, DenseKernels, Gemm, MatmulKernel, MmaKernel};
 pub use dense_source::{dense_source, ARGMAX_THREADS, MATMUL_BM, MATMUL_BN, MATMUL_THREADS, NORM_THREADS};
 pub use source::{source, RAGGED_FROM_DENSE_THREADS, SCAN_THREADS};
 

@@ -11,7 +11,7 @@
 
 use holdfast_hal::{bf16, BackendKind, Buffer, Device, Element, Stream, View};
 use holdfast_kernels::dense::{mma_splits, MATMUL_MMA_SMALL_T_MAX, MATMUL_SMALL_T_MAX};
-use holdfast_kernels::{DenseKernels, Gemm, KernelsError, MatmulKernel};
+use holdfast_kernels::{DenseKernels, Gemm, KernelsError, MatmulKernel, MmaKernel};
 
 /// Unwritten bf16 outputs read as this NaN pattern.
 const POISON_BF16: u16 = 0xFFFF;
@@ -324,7 +324,15 @@ fn tensor_core_matmul_matches_the_split_order_and_rows_are_batch_invariant(dev: 
     assert_eq!(dk.uses_tensor_cores(), expect_tc, "{}", dev.info().arch);
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(29);
-    for (n, k, groups) in MMA_SHAPES {
+    // On tensor cores, also a shape whose t = 300 rows run the tiled kernel (t = 65 the 64-row
+    // one, t ≤ 16 the 16-row one); too slow for the CPU backend's references.
+    let mut shapes = MMA_SHAPES.to_vec();
+    if expect_tc {
+        shapes.push((4096, 520, 1));
+        assert_eq!(Gemm { t: 300, n: 4096, k: 520, groups: 1 }.mma_kernel(), MmaKernel::Tiled);
+        assert_eq!(Gemm { t: 65, n: 4096, k: 520, groups: 1 }.mma_kernel(), MmaKernel::Rows64);
+    }
+    for (n, k, groups) in shapes {
         let row = groups * n;
         let tmax = *MMA_TS.iter().max().expect("ts");
         let xh = rng.bf16s(tmax * groups * k, 1.0);
@@ -858,6 +866,8 @@ fn dense_kernels_compile_at_both_warp_widths_and_the_matmul_does_not_spill() {
             "hf_matmul_mma16_f32",
             "hf_matmul_mma64_bf16",
             "hf_matmul_mma64_f32",
+            "hf_matmul_mma_tiled_bf16",
+            "hf_matmul_mma_tiled_f32",
             "hf_matmul_small_t_bf16",
             "hf_matmul_small_t_f32",
         ];
@@ -894,7 +904,17 @@ fn the_tensor_core_split_order_and_launch_shape_follow_the_shape() {
     assert_eq!((decode.grid, decode.block, decode.shared_mem_bytes), ((64, 1, 1), (256, 1, 1), 81_920));
     let edge = Gemm::new(MATMUL_MMA_SMALL_T_MAX, 32_768, 1024).mma_launch_config();
     assert_eq!(edge.grid, (512, 1, 1));
-    let prefill = Gemm { t: 300, n: 1024, k: 4096, groups: 8 }.mma_launch_config();
-    assert_eq!((prefill.grid, prefill.shared_mem_bytes), ((64, 5, 8), 153_600));
-    assert!(prefill.shared_mem_bytes <= holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK);
+    let rows64 = Gemm { t: 100, n: 1024, k: 4096, groups: 1 };
+    assert_eq!(rows64.mma_kernel(), MmaKernel::Rows64);
+    let c = rows64.mma_launch_config();
+    assert_eq!((c.grid, c.shared_mem_bytes), ((64, 2, 1), 153_600));
+    assert!(c.shared_mem_bytes <= holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK);
+    let prefill = Gemm { t: 300, n: 1024, k: 4096, groups: 8 };
+    assert_eq!(prefill.mma_kernel(), MmaKernel::Tiled);
+    let c = prefill.mma_launch_config();
+    assert_eq!((c.grid, c.block, c.shared_mem_bytes), ((8, 5, 8), (256, 1, 1), 46_080));
+    assert_eq!(Gemm::new(MATMUL_MMA_SMALL_T_MAX, 1 << 20, 64).mma_kernel(), MmaKernel::Rows16);
+    assert_eq!(Gemm::new(64, 1 << 20, 64).mma_kernel(), MmaKernel::Rows64, "t < 65 never tiles");
+    assert_eq!(Gemm::new(65, 128 * 64, 64).mma_kernel(), MmaKernel::Tiled);
+    assert_eq!(Gemm::new(65, 128 * 63, 64).mma_kernel(), MmaKernel::Rows64, "too few tiled blocks");
 }
