@@ -111,7 +111,7 @@ impl C128aBuilder {
         Ok(())
     }
 
-    /// Enqueues the step's c128a build on `s`: at most 3 launches (decode rows: the per-row lists, then the ragged scan + pack in one; prefill rows: one), no host sync.
+    /// Enqueues the step's c128a build on `s`: at most 2 launches (decode rows: one for the per-row lists and their ragged form; prefill rows: one), no host sync.
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata) -> Result<C128aMetadata> {
         let c = common.config();
         if c.max_num_batched_tokens > self.max_tokens || c128a_max_compressed(c.max_model_len) != self.width {
@@ -130,6 +130,7 @@ impl C128aBuilder {
             let (d, w) = (layout.num_decode_tokens, self.width);
             let bt = common.table_config(TableKind::Kv);
             let decode = if d > 0 {
+                let ragged = self.ragged.views(d)?;
                 let (indices, lens) = (self.decode.prefix(d * w)?, self.lens.slice(0, d)?);
                 let args = [
                     (&common.positions()?.slice(0, d)?).into(),
@@ -138,6 +139,8 @@ impl C128aBuilder {
                     (&common.block_table(TableKind::Kv)?).into(),
                     (&indices).into(),
                     (&lens).into(),
+                    (&ragged.indptr).into(),
+                    (&ragged.indices).into(),
                     (d as u32).into(),
                     (w as u32).into(),
                     (C128A_RATIO as u32).into(),
@@ -145,9 +148,7 @@ impl C128aBuilder {
                     (bt.max_blocks_per_seq as u32).into(),
                 ];
                 s.launch(&self.attn.c128a_decode, row_grid(d, 128), &args)?;
-                let ragged = self.ragged.views(d)?;
-                self.kernels.ragged_from_dense_i32(s, &indices, &lens, &ragged.indptr, &ragged.indices, w, None)?;
-                launches += 2;
+                launches += 1;
                 Some(C128aDecode { indices, lens, ragged })
             } else {
                 None

@@ -14,12 +14,37 @@ __device__ __forceinline__ int32_t hf_slot(const int32_t* row, int32_t p, int32_
     return row[p / bs] * bs + p % bs;
 }
 
-// One block per decode token: indices[t, j] = SWA slot of position max(pos - window + 1, 0) + j
-// for j < len = min(pos + 1, window), -1 after; len 0 and an all -1 row for invalid tokens.
+// Token t's SWA list length: min(pos + 1, window), 0 for an invalid token.
+__device__ __forceinline__ int32_t hf_swa_len(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
+                                              uint32_t t, uint32_t window) {
+    if (slots[t] < 0 || tok_req[t] < 0) return 0;
+    const int32_t p1 = positions[t] + 1;
+    return p1 < (int32_t)window ? p1 : (int32_t)window;
+}
+
+// Token t's c128a list length: min((pos + 1) / ratio, width), 0 for an invalid token.
+__device__ __forceinline__ int32_t hf_c128a_len(const int32_t* positions, const int32_t* slots,
+                                                const int32_t* tok_req, uint32_t t, uint32_t width, uint32_t ratio) {
+    if (slots[t] < 0 || tok_req[t] < 0) return 0;
+    const uint32_t c = ((uint32_t)positions[t] + 1u) / ratio;
+    return (int32_t)(c < width ? c : width);
+}
+
+// One block (power-of-two threads) per decode token: indices[t, j] = SWA slot of position
+// max(pos - window + 1, 0) + j for j < len = min(pos + 1, window), -1 after (len 0 and an all -1
+// row for invalid tokens); lens[t] = len; and the ragged form in the same launch: indptr[t + 1] =
+// the lengths of tokens 0..t summed (the block recomputes the earlier tokens' lengths from their
+// positions), flat[indptr[t] + j] = indices[t, j] for j < len.
 HF_KERNEL void hf_dsv4_swa_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
-                                  const int32_t* block_table, int32_t* indices, int32_t* lens, uint32_t n,
-                                  uint32_t window, uint32_t block_size, uint32_t bt_width) {
+                                  const int32_t* block_table, int32_t* indices, int32_t* lens, int32_t* indptr,
+                                  int32_t* flat, uint32_t n, uint32_t window, uint32_t block_size,
+                                  uint32_t bt_width) {
+    __shared__ int32_t part[1024];
+    if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        int32_t before = 0;
+        for (uint32_t q = threadIdx.x; q < t; q += blockDim.x) before += hf_swa_len(positions, slots, tok_req, q, window);
+        const int32_t base = hf_block_sum_i32(before, part);
         int32_t req = tok_req[t];
         bool valid = slots[t] >= 0 && req >= 0;
         int32_t pos = valid ? positions[t] : 0;
@@ -30,8 +55,12 @@ HF_KERNEL void hf_dsv4_swa_decode(const int32_t* positions, const int32_t* slots
         for (uint32_t j = threadIdx.x; j < window; j += blockDim.x) {
             int32_t v = (int32_t)j < len ? hf_slot(row, start + (int32_t)j, (int32_t)block_size) : -1;
             indices[(uint64_t)t * window + j] = v;
+            if ((int32_t)j < len) flat[base + (int32_t)j] = v;
         }
-        if (threadIdx.x == 0) lens[t] = len;
+        if (threadIdx.x == 0) {
+            lens[t] = len;
+            indptr[t + 1] = base + len;
+        }
     }
 }
 
@@ -46,20 +75,33 @@ HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t
     }
 }
 
-// One block per decode token: the first n = min((pos + 1) / ratio, width) compressed entries'
-// global slots (compressed block size cbs), -1 after; lens[t] = n, 0 (and all -1) if invalid.
+// One block (power-of-two threads) per decode token: the first n = min((pos + 1) / ratio, width)
+// compressed entries' global slots (compressed block size cbs), -1 after; lens[t] = n, 0 (and all
+// -1) if invalid; and, in the same launch, indptr / flat as hf_dsv4_swa_decode.
 HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
-                                    const int32_t* block_table, int32_t* indices, int32_t* lens, uint32_t n,
-                                    uint32_t width, uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
+                                    const int32_t* block_table, int32_t* indices, int32_t* lens, int32_t* indptr,
+                                    int32_t* flat, uint32_t n, uint32_t width, uint32_t ratio, uint32_t cbs,
+                                    uint32_t bt_width) {
+    __shared__ int32_t part[1024];
+    if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        int32_t before = 0;
+        for (uint32_t q = threadIdx.x; q < t; q += blockDim.x)
+            before += hf_c128a_len(positions, slots, tok_req, q, width, ratio);
+        const int32_t base = hf_block_sum_i32(before, part);
         int32_t req = tok_req[t];
         bool valid = slots[t] >= 0 && req >= 0;
-        uint32_t c = valid ? ((uint32_t)positions[t] + 1u) / ratio : 0u;
-        if (c > width) c = width;
+        const int32_t c = hf_c128a_len(positions, slots, tok_req, t, width, ratio);
         const int32_t* row = block_table + (uint64_t)(valid ? req : 0) * bt_width;
-        for (uint32_t j = threadIdx.x; j < width; j += blockDim.x)
-            indices[(uint64_t)t * width + j] = j < c ? hf_slot(row, (int32_t)j, (int32_t)cbs) : -1;
-        if (threadIdx.x == 0) lens[t] = (int32_t)c;
+        for (uint32_t j = threadIdx.x; j < width; j += blockDim.x) {
+            const int32_t v = (int32_t)j < c ? hf_slot(row, (int32_t)j, (int32_t)cbs) : -1;
+            indices[(uint64_t)t * width + j] = v;
+            if ((int32_t)j < c) flat[base + (int32_t)j] = v;
+        }
+        if (threadIdx.x == 0) {
+            lens[t] = c;
+            indptr[t + 1] = base + c;
+        }
     }
 }
 
@@ -159,10 +201,38 @@ fn slot(bt: &CpuPtr<'_, i32>, row: i64, width: usize, p: i64, bs: i64) -> Result
     Ok((i64::from(block) * bs + p % bs) as i32)
 }
 
+/// Writes row `t` of a decode list: the dense row (`width` entries, -1 padded), its length, and
+/// its ragged form at `*base` (then advances `*base` and writes `indptr[t + 1]`).
+struct RaggedOut<'a> {
+    idx: CpuPtr<'a, i32>,
+    lens: CpuPtr<'a, i32>,
+    indptr: CpuPtr<'a, i32>,
+    flat: CpuPtr<'a, i32>,
+    base: i32,
+}
+
+impl RaggedOut<'_> {
+    fn row(&mut self, t: usize, width: usize, row: &[i32], len: usize) -> Result<()> {
+        if t == 0 {
+            self.indptr.set(0, 0)?;
+        }
+        self.idx.write(t * width, row)?;
+        self.lens.set(t, len as i32)?;
+        if len > 0 {
+            self.flat.write(self.base as usize, &row[..len])?;
+        }
+        self.base = self.base.wrapping_add(len as i32);
+        self.indptr.set(t + 1, self.base)
+    }
+}
+
 fn swa_decode(l: &CpuLaunch<'_>) -> Result<()> {
     let (pos, slots, req, bt) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
-    let (idx, lens) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?);
-    let (n, window, bs, w) = (l.count(6)?, l.count(7)?, l.count(8)? as i64, l.count(9)?);
+    let mut out = RaggedOut { idx: l.ptr(4)?, lens: l.ptr(5)?, indptr: l.ptr(6)?, flat: l.ptr(7)?, base: 0 };
+    let (n, window, bs, w) = (l.count(8)?, l.count(9)?, l.count(10)? as i64, l.count(11)?);
+    if n == 0 {
+        out.indptr.set(0, 0)?;
+    }
     let mut row = vec![-1i32; window];
     for t in 0..n {
         let (valid, p, r) = token(&pos, &slots, &req, t)?;
@@ -172,8 +242,7 @@ fn swa_decode(l: &CpuLaunch<'_>) -> Result<()> {
         for (j, v) in row.iter_mut().enumerate().take(len as usize) {
             *v = slot(&bt, r, w, start + j as i64, bs)?;
         }
-        idx.write(t * window, &row)?;
-        lens.set(t, len as i32)?;
+        out.row(t, window, &row, len as usize)?;
     }
     Ok(())
 }
@@ -199,8 +268,11 @@ fn compressed_count(valid: bool, p: i64, ratio: i64, width: usize) -> usize {
 
 fn c128a_decode(l: &CpuLaunch<'_>) -> Result<()> {
     let (pos, slots, req, bt) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
-    let (idx, lens) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?);
-    let (n, width, ratio, cbs, w) = (l.count(6)?, l.count(7)?, l.count(8)? as i64, l.count(9)? as i64, l.count(10)?);
+    let mut out = RaggedOut { idx: l.ptr(4)?, lens: l.ptr(5)?, indptr: l.ptr(6)?, flat: l.ptr(7)?, base: 0 };
+    let (n, width, ratio, cbs, w) = (l.count(8)?, l.count(9)?, l.count(10)? as i64, l.count(11)? as i64, l.count(12)?);
+    if n == 0 {
+        out.indptr.set(0, 0)?;
+    }
     let mut row = vec![-1i32; width];
     for t in 0..n {
         let (valid, p, r) = token(&pos, &slots, &req, t)?;
@@ -209,8 +281,7 @@ fn c128a_decode(l: &CpuLaunch<'_>) -> Result<()> {
         for (j, v) in row.iter_mut().enumerate().take(c) {
             *v = slot(&bt, r, w, j as i64, cbs)?;
         }
-        idx.write(t * width, &row)?;
-        lens.set(t, c as i32)?;
+        out.row(t, width, &row, c)?;
     }
     Ok(())
 }
@@ -294,6 +365,8 @@ pub fn source() -> &'static KernelSource {
                         inp("block_table"),
                         out("indices"),
                         out("lens"),
+                        out("indptr"),
+                        out("flat"),
                         u("n"),
                         u("window"),
                         u("block_size"),
@@ -315,6 +388,8 @@ pub fn source() -> &'static KernelSource {
                         inp("block_table"),
                         out("indices"),
                         out("lens"),
+                        out("indptr"),
+                        out("flat"),
                         u("n"),
                         u("width"),
                         u("ratio"),

@@ -108,7 +108,7 @@ impl SwaBuilder {
         Ok(())
     }
 
-    /// Enqueues the step's SWA metadata build on `s`: at most 3 launches (decode rows: the per-row lists, then the ragged scan + pack in one; prefill rows: one), no host sync.
+    /// Enqueues the step's SWA metadata build on `s`: at most 2 launches (decode rows: one for the per-row lists and their ragged form; prefill rows: one), no host sync.
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata) -> Result<SwaMetadata> {
         let c = common.config();
         if c.max_num_batched_tokens > self.max_tokens || c.max_num_seqs > self.max_seqs {
@@ -125,6 +125,7 @@ impl SwaBuilder {
             let decode = if d > 0 {
                 let w = self.window;
                 let bt = common.table_config(TableKind::Swa);
+                let ragged = self.ragged.views(d)?;
                 let (indices, lens) = (self.indices.prefix(d * w)?, self.lens.slice(0, d)?);
                 let args = [
                     (&common.positions()?.slice(0, d)?).into(),
@@ -133,15 +134,15 @@ impl SwaBuilder {
                     (&common.block_table(TableKind::Swa)?).into(),
                     (&indices).into(),
                     (&lens).into(),
+                    (&ragged.indptr).into(),
+                    (&ragged.indices).into(),
                     (d as u32).into(),
                     (w as u32).into(),
                     (bt.block_size as u32).into(),
                     (bt.max_blocks_per_seq as u32).into(),
                 ];
                 s.launch(&self.attn.swa_decode, row_grid(d, 128), &args)?;
-                let ragged = self.ragged.views(d)?;
-                self.kernels.ragged_from_dense_i32(s, &indices, &lens, &ragged.indptr, &ragged.indices, w, None)?;
-                launches += 2;
+                launches += 1;
                 Some(SwaDecode { indices, lens, ragged })
             } else {
                 None

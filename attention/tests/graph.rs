@@ -182,10 +182,11 @@ fn a_builder_with_a_fresh_ragged_buffer_is_rejected_at_capture(dev: &Device) {
     s.begin_capture("planted").expect("begin");
     common.upload(&s).expect("captured upload");
     let err = swa.build(&s, &common).expect_err("a non-persistent ragged buffer cannot be captured");
+    // The builder's one decode launch writes the ragged outputs itself.
     match err {
-        holdfast_attention::AttentionError::Kernels(holdfast_kernels::KernelsError::Hal(
-            HalError::NotGraphStable { ref buffer, .. },
-        )) => assert!(buffer.starts_with("attn.swa.ragged"), "{err}"),
+        holdfast_attention::AttentionError::Hal(HalError::NotGraphStable { ref buffer, .. }) => {
+            assert!(buffer.starts_with("attn.swa.ragged"), "{err}")
+        }
         other => panic!("expected NotGraphStable, got {other:?}"),
     }
     s.abort_capture().expect("abort");
