@@ -11,8 +11,9 @@
 //! Two device kernels compute this ([`AttentionKernel`]):
 //! - **tensor cores** (CUDA, sm_80 and newer, `head_dim` 64, 128, 256 or 512): one block per
 //!   (row, group of 16 or 32 heads), `8 × heads-per-block` threads. The row's entries stream
-//!   through shared memory in tiles of 32 (double-buffered `cp.async`, about 85 KiB of shared
-//!   memory at `head_dim` 512); `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q`
+//!   through shared memory in tiles of 32 by `cp.async` (three tiles in flight ahead of the one
+//!   computed for 16-head blocks, about 140 KiB of shared memory at `head_dim` 512; one for
+//!   32-head blocks, about 85 KiB, so two fit per SM); `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q`
 //!   held in registers. Per tile the scores are the sum of four `head_dim / 4` slices in slice
 //!   order, the online softmax runs in f32 and `p` is rounded to bf16 both for `p·v` and for the
 //!   running sum `l`. Relative to the f32 definition this costs the bf16 rounding of `p` (the
@@ -124,8 +125,8 @@ HF_KERNEL void hf_sparse_attn_bf16(const hf_bf16* q, const hf_bf16* main_cache, 
 //
 // One block per (row, group of 16·MG heads), 4·MG warps: warp w owns m-group w / 4 (16 heads)
 // and d-slice w % 4 (head_dim / 4 columns). The row's entries (main, then extra) go by tiles
-// of 32, double-buffered in shared memory (the next tile's cp.async runs under this tile's
-// math). Per tile: (1) each warp's partial scores over its d-slice, Q held in registers as
+// of 32, ST-buffered in shared memory (the next ST - 1 tiles' cp.async run under this tile's
+// math; the pipeline depth changes no arithmetic). Per tile: (1) each warp's partial scores over its d-slice, Q held in registers as
 // mma A fragments; (2) scores summed over the 4 slices in slice order, scaled, masked, online
 // softmax per head (P rounded to bf16, l summed from the rounded P); (3) O = O·corr + P·V per
 // warp's (heads, d-slice). Every output element's arithmetic depends on its own row and head
@@ -140,7 +141,7 @@ HF_KERNEL void hf_sparse_attn_bf16(const hf_bf16* q, const hf_bf16* main_cache, 
 #if defined(HF_HAS_MMA)
 #define HF_ATTN_MMA 1
 
-template <int MG, int D>
+template <int MG, int D, int ST>
 __device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q, const hf_bf16* __restrict__ main_cache,
                                                    const int32_t* __restrict__ main_idx,
                                                    const int32_t* __restrict__ main_indptr,
@@ -157,11 +158,11 @@ __device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q
     const uint32_t groups = (H + HB - 1u) / HB;
     const uint32_t t = blockIdx.x / groups, hbase = (blockIdx.x % groups) * HB;
     if (t >= T) return;
-    hf_bf16* kbuf = (hf_bf16*)hf_smem;                                         // [2][NT][kstride]
-    float* sp = (float*)(hf_smem + 2u * NT * kstride * 2u);                    // [4][HB][SROW]
+    hf_bf16* kbuf = (hf_bf16*)hf_smem;                                         // [ST][NT][kstride]
+    float* sp = (float*)(hf_smem + (uint32_t)ST * NT * kstride * 2u);          // [4][HB][SROW]
     hf_bf16* pb = (hf_bf16*)((unsigned char*)sp + 4u * HB * HF_MMA_SROW * 4u);  // [HB][PROW]
-    int32_t* vld = (int32_t*)((unsigned char*)pb + HB * HF_MMA_PROW * 2u);     // [2][NT]
-    float* corr_s = (float*)(vld + 2u * NT);                                    // [HB]
+    int32_t* vld = (int32_t*)((unsigned char*)pb + HB * HF_MMA_PROW * 2u);     // [ST][NT]
+    float* corr_s = (float*)(vld + (uint32_t)ST * NT);                          // [HB]
     float* m_s = corr_s + HB;                                                   // [HB]
     float* l_s = m_s + HB;                                                      // [HB]
 
@@ -222,12 +223,20 @@ __device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q
     const uint32_t hl = tid >> 3, e0 = (tid & 7u) * 4u;
     float m_run = NEG_INF, l_run = 0.0f;
 
-    if (ntiles > 0u) load_tile(0u, 0u);
+    // ST - 1 tiles in flight ahead of the one being computed (one commit group per tile, empty
+    // groups past the end keep the count uniform).
+#pragma unroll
+    for (uint32_t s0 = 0; s0 + 1u < (uint32_t)ST; ++s0) {
+        if (s0 < ntiles) load_tile(s0, s0);
+        else hf_cp_async_commit();
+    }
     for (uint32_t tile = 0; tile < ntiles; ++tile) {
-        const uint32_t b = tile & 1u;
-        hf_cp_async_wait_all();
-        __syncthreads();  // tile visible to all; everyone is done with the other buffer
-        if (tile + 1u < ntiles) load_tile(tile + 1u, b ^ 1u);
+        const uint32_t b = tile % (uint32_t)ST;
+        hf_cp_async_wait<ST - 2>();
+        __syncthreads();  // tile visible to all; everyone is done with the buffer refilled next
+        const uint32_t ahead = tile + (uint32_t)ST - 1u;
+        if (ahead < ntiles) load_tile(ahead, ahead % (uint32_t)ST);
+        else hf_cp_async_commit();
         const hf_bf16* kt = kbuf + (uint64_t)b * NT * kstride;
 
         // (1) partial scores of 16 heads x 32 entries over this warp's d-slice.
@@ -351,33 +360,33 @@ __device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q
 // Entry points per (heads per block, head_dim): hf_sparse_attn_mma<16·MG>_d<D>_bf16. The D
 // parameter must equal the template's head_dim (the launcher guarantees it).
 #ifdef HF_ATTN_MMA
-#define HF_ATTN_MMA_ENTRY(NAME, MG, DIM, MINB)                                                                         \
+#define HF_ATTN_MMA_ENTRY(NAME, MG, DIM, MINB, ST)                                                                     \
     HF_KERNEL void __launch_bounds__(128 * MG, MINB)                                                                   \
         NAME(const hf_bf16* q, const hf_bf16* main_cache, const int32_t* main_idx, const int32_t* main_indptr,          \
              const hf_bf16* extra_cache, const int32_t* extra_idx, const int32_t* extra_indptr, const float* sink,      \
              hf_bf16* out, uint32_t T, uint32_t H, uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra,  \
              float scale) {                                                                                            \
         if (D != DIM) return;                                                                                          \
-        hf_sparse_attn_mma<MG, DIM>(q, main_cache, main_idx, main_indptr, extra_cache, extra_idx, extra_indptr, sink,   \
+        hf_sparse_attn_mma<MG, DIM, ST>(q, main_cache, main_idx, main_indptr, extra_cache, extra_idx, extra_indptr, sink,   \
                                     out, T, H, S_main, S_extra, has_extra, scale);                                     \
     }
 #else
 // Without tensor cores (hipRTC, or CUDA below sm_80) the entries exist but the launcher never
 // picks them: the portable kernel above serves those devices.
-#define HF_ATTN_MMA_ENTRY(NAME, MG, DIM, MINB)                                                                         \
+#define HF_ATTN_MMA_ENTRY(NAME, MG, DIM, MINB, ST)                                                                     \
     HF_KERNEL void NAME(const hf_bf16* q, const hf_bf16* main_cache, const int32_t* main_idx,                           \
                         const int32_t* main_indptr, const hf_bf16* extra_cache, const int32_t* extra_idx,              \
                         const int32_t* extra_indptr, const float* sink, hf_bf16* out, uint32_t T, uint32_t H,          \
                         uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra, float scale) {}
 #endif
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d64_bf16, 1, 64, 4)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d64_bf16, 2, 64, 2)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d128_bf16, 1, 128, 4)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d128_bf16, 2, 128, 2)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d256_bf16, 1, 256, 4)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d256_bf16, 2, 256, 2)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d512_bf16, 1, 512, 4)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d512_bf16, 2, 512, 2)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d64_bf16, 1, 64, 4, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d64_bf16, 2, 64, 2, 2)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d128_bf16, 1, 128, 4, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d128_bf16, 2, 128, 2, 2)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d256_bf16, 1, 256, 4, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d256_bf16, 2, 256, 2, 2)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d512_bf16, 1, 512, 4, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d512_bf16, 2, 512, 2, 2)
 "#;
 
 /// Heads handled by one block (4 warps × 2 heads).
@@ -511,11 +520,23 @@ fn mma_entry(mg: usize, d: usize) -> &'static str {
 /// Entries per shared-memory tile of the tensor-core kernel (`HF_MMA_NT`).
 const MMA_TILE: usize = 32;
 
+/// K tiles in flight per tensor-core block of `16 · mg` heads: four for the 16-head blocks (few
+/// rows, each block latency-bound on its gathers), two for the 32-head blocks (many rows: two
+/// blocks per SM instead).
+const fn mma_stages(mg: usize) -> usize {
+    if mg == 1 {
+        4
+    } else {
+        2
+    }
+}
+
 /// Dynamic shared memory of one tensor-core block of `16 · mg` heads at `head_dim` `d`, bytes
-/// (the kernel's layout: two K tiles, four score slices, P, validity flags, three per-head stats).
+/// (the kernel's layout: the K tiles of [`mma_stages`], four score slices, P, validity flags,
+/// three per-head stats).
 fn mma_shared_bytes(mg: usize, d: usize) -> usize {
-    let hb = 16 * mg;
-    2 * MMA_TILE * (d + 8) * 2 + 4 * hb * (MMA_TILE + 1) * 4 + hb * (MMA_TILE + 8) * 2 + 2 * MMA_TILE * 4 + 3 * hb * 4
+    let (hb, st) = (16 * mg, mma_stages(mg));
+    st * MMA_TILE * (d + 8) * 2 + 4 * hb * (MMA_TILE + 1) * 4 + hb * (MMA_TILE + 8) * 2 + st * MMA_TILE * 4 + 3 * hb * 4
 }
 
 /// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, and the tensor-core
@@ -598,7 +619,7 @@ fn tensor_cores_fit(dev: &Device, head_dim: usize) -> bool {
     let info = dev.info();
     holdfast_kernels::has_bf16_tensor_cores(info)
         && MMA_DIMS.contains(&head_dim)
-        && mma_shared_bytes(2, head_dim) <= info.max_shared_mem_per_block as usize
+        && mma_shared_bytes(1, head_dim).max(mma_shared_bytes(2, head_dim)) <= info.max_shared_mem_per_block as usize
 }
 
 impl SparseAttention {
