@@ -77,6 +77,36 @@ fn pack_checks(
     }
 }
 
+/// Checks and launches one of the ragged packs (`kernel` with blocks of `threads`, one per row).
+#[allow(clippy::too_many_arguments)]
+fn launch_pack(
+    op: &'static str,
+    (kernel, threads): (&Kernel, u32),
+    s: &Stream,
+    dense: &View<i32>,
+    len: &View<i32>,
+    indptr: &View<i32>,
+    flat: &View<i32>,
+    width: usize,
+    range: Option<(i32, i32)>,
+) -> Result<()> {
+    let rows = len.len();
+    let (lo, hi, check) = pack_checks(op, dense, rows, indptr, flat, width, range)?;
+    let args = [
+        dense.into(),
+        len.into(),
+        indptr.into(),
+        flat.into(),
+        u32_of(op, "rows", rows)?.into(),
+        u32_of(op, "width", width)?.into(),
+        lo.into(),
+        hi.into(),
+        check.into(),
+    ];
+    s.launch(kernel, row_grid(rows, threads), &args)?;
+    Ok(())
+}
+
 /// Blocks for a grid-stride loop over `n` elements (at least one, at most 4096).
 fn stride_grid(n: usize, block: u32) -> LaunchConfig {
     let blocks = n.div_ceil(block as usize).clamp(1, 4096) as u32;
@@ -211,22 +241,8 @@ impl Kernels {
         width: usize,
         range: Option<(i32, i32)>,
     ) -> Result<()> {
-        const OP: &str = "ragged_pack_i32";
-        let rows = len.len();
-        let (lo, hi, check) = pack_checks(OP, dense, rows, indptr, flat, width, range)?;
-        let args = [
-            dense.into(),
-            len.into(),
-            indptr.into(),
-            flat.into(),
-            u32_of(OP, "rows", rows)?.into(),
-            u32_of(OP, "width", width)?.into(),
-            lo.into(),
-            hi.into(),
-            check.into(),
-        ];
-        s.launch(&self.ragged_pack_i32, row_grid(rows, 128), &args)?;
-        Ok(())
+        let k = (&self.ragged_pack_i32, 128);
+        launch_pack("ragged_pack_i32", k, s, dense, len, indptr, flat, width, range)
     }
 
     /// [`Kernels::exclusive_scan_i32`] of the clamped lengths into `indptr`, then
@@ -245,21 +261,7 @@ impl Kernels {
         width: usize,
         range: Option<(i32, i32)>,
     ) -> Result<()> {
-        const OP: &str = "ragged_from_dense_i32";
-        let rows = len.len();
-        let (lo, hi, check) = pack_checks(OP, dense, rows, indptr, flat, width, range)?;
-        let args = [
-            dense.into(),
-            len.into(),
-            indptr.into(),
-            flat.into(),
-            u32_of(OP, "rows", rows)?.into(),
-            u32_of(OP, "width", width)?.into(),
-            lo.into(),
-            hi.into(),
-            check.into(),
-        ];
-        s.launch(&self.ragged_from_dense_i32, row_grid(rows, RAGGED_FROM_DENSE_THREADS), &args)?;
-        Ok(())
+        let k = (&self.ragged_from_dense_i32, RAGGED_FROM_DENSE_THREADS);
+        launch_pack("ragged_from_dense_i32", k, s, dense, len, indptr, flat, width, range)
     }
 }
