@@ -144,3 +144,34 @@ fn tokens_do_not_depend_on_arrivals_concurrency_or_token_budget() {
         .collect();
     assert_eq!(digests[0], digests[1]);
 }
+
+#[test]
+fn tensor_parallel_ranks_give_the_single_device_tokens_and_bad_splits_are_usage_errors() {
+    let dir = temp_dir("tp");
+    let digests = |tp: &str| -> Vec<serde_json::Value> {
+        let json = dir.join(format!("tp{tp}.json"));
+        let out = holdfast(&[
+            "simulate",
+            "--requests",
+            "8",
+            "--quiet",
+            "--modes",
+            "none,full_and_piecewise",
+            "--tensor-parallel",
+            tp,
+            "--json",
+            json.to_str().expect("utf-8 path"),
+        ]);
+        assert_eq!(out.status.code(), Some(0), "tp {tp}: {}", text(&out.stderr));
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&json).expect("report written")).expect("JSON");
+        report["modes"].as_array().expect("modes").iter().map(|m| m["tokens_digest"].clone()).collect()
+    };
+    let (one, two) = (digests("1"), digests("2"));
+    assert_eq!(one.len(), 2);
+    assert_eq!(one[0], one[1], "modes agree on one device");
+    assert_eq!(two, one, "2 ranks generate the single-device tokens");
+    // `tiny` has 2 query heads: 4 ranks cannot split them.
+    assert_usage_error(&holdfast(&["simulate", "--tensor-parallel", "4"]), &["num_attention_heads", "4"]);
+    assert_usage_error(&holdfast(&["simulate", "--tensor-parallel", "0"]), &["--tensor-parallel"]);
+}

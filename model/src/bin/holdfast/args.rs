@@ -94,6 +94,21 @@ impl Common {
     pub fn device(&self) -> Result<Device, CliError> {
         Ok(Device::open(&self.backend)?)
     }
+
+    /// The devices of `ranks` tensor-parallel ranks: `ranks` CPU devices for `cpu`, else the
+    /// `ranks` consecutive devices from `--backend`'s ordinal (`cuda:2` with 2 ranks: `cuda:2`,
+    /// `cuda:3`).
+    pub fn devices(&self, ranks: usize) -> Result<Vec<Device>, CliError> {
+        if ranks <= 1 || self.backend == "cpu" {
+            return (0..ranks.max(1)).map(|_| self.device()).collect();
+        }
+        let (kind, first) = self
+            .backend
+            .split_once(':')
+            .and_then(|(k, n)| n.parse::<usize>().ok().map(|n| (k, n)))
+            .ok_or_else(|| CliError::Usage(format!("--backend {}: expected cpu or KIND:N", self.backend)))?;
+        (first..first + ranks).map(|i| Ok(Device::open(&format!("{kind}:{i}"))?)).collect()
+    }
 }
 
 /// A list of graph modes: `all`, or comma-separated names (`none,full_and_piecewise`).
@@ -183,6 +198,11 @@ pub struct SimulateArgs {
     /// Most requests in flight (admitted and unfinished); default: `--max-num-seqs`.
     #[arg(long, value_name = "N")]
     pub concurrency: Option<usize>,
+    /// Tensor-parallel ranks, one thread each: on `cpu` emulated ranks in this process, on
+    /// `cuda:K` the devices `cuda:K` … `cuda:K+N-1` (NCCL). The table reports rank 0; every
+    /// rank must produce the same tokens.
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub tensor_parallel: usize,
     /// Write the report as JSON.
     #[arg(long, value_name = "PATH")]
     pub json: Option<PathBuf>,

@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 use holdfast_graph::{FallbackReason, GraphMode, RuntimeMode};
-use holdfast_hal::Device;
+use holdfast_hal::{Communicator, Device};
 use holdfast_model::{ModelConfig, ModelRunner};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
@@ -135,6 +135,13 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
     }
     let (model, cfg) = c.model_config()?;
     let dev = c.device()?;
+    if a.tensor_parallel == 0 {
+        return Err(usage("--tensor-parallel must be at least 1"));
+    }
+    let devices = if a.tensor_parallel > 1 { c.devices(a.tensor_parallel)? } else { vec![dev.clone()] };
+    if a.tensor_parallel > 1 {
+        cfg.validate_tp(a.tensor_parallel)?;
+    }
     let arrivals = workload::requests(c.seed, a.requests, a.prompt_len, a.output_len, cfg.vocab_size, a.arrival_rate);
     if !a.quiet {
         eprintln!(
@@ -155,7 +162,7 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
 
     let mut reports = Vec::with_capacity(modes.len());
     for &mode in &modes {
-        reports.push(run_mode(&dev, &cfg, a, mode, concurrency, &arrivals)?);
+        reports.push(run_mode_tp(&devices, &cfg, a, mode, concurrency, &arrivals)?);
     }
     let verdict = verdict(&reports);
 
@@ -212,25 +219,71 @@ fn bar(quiet: bool, len: usize, prefix: String, what: &str) -> ProgressBar {
     pb
 }
 
-/// Builds, captures and serves the stream under `mode`.
-fn run_mode(
-    dev: &Device,
+/// Runs `mode` on one device, or on one thread per tensor-parallel rank (each rank serves the
+/// same stream; rank 0's report is returned after checking every rank's tokens are the same).
+fn run_mode_tp(
+    devices: &[Device],
     cfg: &ModelConfig,
     a: &SimulateArgs,
     mode: GraphMode,
     concurrency: usize,
     arrivals: &[Arrival],
 ) -> Result<ModeReport, CliError> {
-    let mut runner = ModelRunner::new(dev, cfg, &a.common.settings(mode))?;
+    if devices.len() == 1 {
+        let runner = ModelRunner::new(&devices[0], cfg, &a.common.settings(mode))?;
+        return run_mode(runner, &devices[0], a.quiet, mode, concurrency, arrivals);
+    }
+    let comms = Communicator::group(devices)?;
+    let results: Vec<Result<ModeReport, CliError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                scope.spawn(move || {
+                    let (rank, dev) = (comm.rank(), comm.device().clone());
+                    let runner = ModelRunner::tensor_parallel(cfg, &a.common.settings(mode), comm)?;
+                    run_mode(runner, &dev, a.quiet || rank > 0, mode, concurrency, arrivals)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join()
+                    .unwrap_or_else(|_| Err(CliError::Runtime(format!("{mode}: tensor-parallel rank {rank} panicked"))))
+            })
+            .collect()
+    });
+    let mut reports = Vec::with_capacity(results.len());
+    for (rank, r) in results.into_iter().enumerate() {
+        reports.push(r.map_err(|e| CliError::Runtime(format!("{mode}: tensor-parallel rank {rank}: {e}")))?);
+    }
+    if let Some((rank, r)) = reports.iter().enumerate().find(|(_, r)| r.outputs != reports[0].outputs) {
+        return Err(CliError::Runtime(format!(
+            "{mode}: tensor-parallel rank {rank} generated different tokens than rank 0 (digest {} vs {})",
+            r.tokens_digest, reports[0].tokens_digest
+        )));
+    }
+    Ok(reports.swap_remove(0))
+}
 
-    let pb = bar(a.quiet, runner.capture_order().len(), mode.to_string(), "capture");
+/// Captures and serves the stream under `mode` with `runner` (built on `dev`).
+fn run_mode(
+    mut runner: ModelRunner,
+    dev: &Device,
+    quiet: bool,
+    mode: GraphMode,
+    concurrency: usize,
+    arrivals: &[Arrival],
+) -> Result<ModeReport, CliError> {
+    let pb = bar(quiet, runner.capture_order().len(), mode.to_string(), "capture");
     let capture_seconds = runner.capture_all(|done, _, desc| {
         pb.set_position(done as u64);
         pb.set_message(format!("{} tokens", desc.num_tokens));
     })?;
     pb.finish_and_clear();
 
-    let pb = bar(a.quiet, arrivals.len(), mode.to_string(), "serve  ");
+    let pb = bar(quiet, arrivals.len(), mode.to_string(), "serve  ");
     let mut sched = runner.scheduler()?;
     let mut outputs = BTreeMap::new();
     let mut step_seconds = Vec::new();
@@ -321,7 +374,7 @@ fn run_mode(
         tokens_digest: format!("{:016x}", digest(&outputs)),
         outputs,
     };
-    if !a.quiet {
+    if !quiet {
         eprintln!(
             "{:>18} {} graphs in {}, {} steps in {}",
             report.mode,
