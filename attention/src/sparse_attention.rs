@@ -11,9 +11,8 @@
 //! Two device kernels compute this ([`AttentionKernel`]):
 //! - **tensor cores** (CUDA, sm_80 and newer, `head_dim` 64, 128, 256 or 512): one block per
 //!   (row, group of 16 or 32 heads), `8 × heads-per-block` threads. The row's entries stream
-//!   through shared memory in tiles of 32 by `cp.async` (three tiles in flight ahead of the one
-//!   computed for 16-head blocks, about 140 KiB of shared memory at `head_dim` 512; one for
-//!   32-head blocks, about 85 KiB, so two fit per SM); `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q`
+//!   through shared memory in tiles of 32 (double-buffered `cp.async`, about 85 KiB of shared
+//!   memory at `head_dim` 512); `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q`
 //!   held in registers. Per tile the scores are the sum of four `head_dim / 4` slices in slice
 //!   order, the online softmax runs in f32 and `p` is rounded to bf16 both for `p·v` and for the
 //!   running sum `l`. Relative to the f32 definition this costs the bf16 rounding of `p` (the
@@ -379,13 +378,13 @@ __device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q
                         const int32_t* extra_indptr, const float* sink, hf_bf16* out, uint32_t T, uint32_t H,          \
                         uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra, float scale) {}
 #endif
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d64_bf16, 1, 64, 4, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d64_bf16, 1, 64, 4, 2)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d64_bf16, 2, 64, 2, 2)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d128_bf16, 1, 128, 4, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d128_bf16, 1, 128, 4, 2)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d128_bf16, 2, 128, 2, 2)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d256_bf16, 1, 256, 4, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d256_bf16, 1, 256, 4, 2)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d256_bf16, 2, 256, 2, 2)
-HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d512_bf16, 1, 512, 4, 4)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d512_bf16, 1, 512, 4, 2)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d512_bf16, 2, 512, 2, 2)
 "#;
 
@@ -520,15 +519,12 @@ fn mma_entry(mg: usize, d: usize) -> &'static str {
 /// Entries per shared-memory tile of the tensor-core kernel (`HF_MMA_NT`).
 const MMA_TILE: usize = 32;
 
-/// K tiles in flight per tensor-core block of `16 · mg` heads: four for the 16-head blocks (few
-/// rows, each block latency-bound on its gathers), two for the 32-head blocks (many rows: two
-/// blocks per SM instead).
-const fn mma_stages(mg: usize) -> usize {
-    if mg == 1 {
-        4
-    } else {
-        2
-    }
+/// K tiles staged per tensor-core block of `16 · mg` heads (the kernel's `ST`; the pipeline depth
+/// changes no arithmetic). Two for both groupings: on the H200 four stages for the 16-head blocks
+/// left batch 1 unchanged (55.8 vs 56.7 µs at 64 heads, 640 entries) and slowed batch 64 by 1.6×
+/// (120 vs 75 µs: 143 KiB of shared memory allows one block per SM instead of two).
+const fn mma_stages(_mg: usize) -> usize {
+    2
 }
 
 /// Dynamic shared memory of one tensor-core block of `16 · mg` heads at `head_dim` `d`, bytes
