@@ -1,9 +1,11 @@
-//! The dense ops' kernel source (`dense.cu`) and its CPU references.
+//! The dense ops' kernel source (`dense.cu`, `dense_mma.cu`) and its CPU references.
 //!
-//! The references follow the device kernels' arithmetic: the matmul (both device kernels, tiled
-//! and small-t) runs one `mul_add` chain per output over k in order and `rms_norm` the same 256
-//! partial sums and tree as the device block, so both agree with a GPU bit for bit; `argmax`, `embed` and `repeat_rows` are exact by
-//! construction. `rope` and `swiglu` call libm (`powf`, `sin`/`cos`, `exp`), whose last-ulp results
+//! The references follow the device kernels' arithmetic: the SIMT matmul (tiled and small-t) runs
+//! one `mul_add` chain per output over k in order and `rms_norm` the same 256 partial sums and
+//! tree as the device block, so both agree with a GPU bit for bit; the tensor-core matmul's
+//! reference runs its split order as `mul_add` chains and agrees to f32 rounding (the hardware
+//! orders the sums inside one 16-wide k step itself); `argmax`, `embed`, `repeat_rows` and
+//! `to_bf16` are exact by construction. `rope` and `swiglu` call libm (`powf`, `sin`/`cos`, `exp`), whose last-ulp results
 //! differ between the CPU and a GPU's math library, so those two match within a few ulps of f32
 //! before the bf16 rounding (tests compare them with a tolerance).
 
