@@ -38,6 +38,14 @@
 //!    whose values crowd into one bin (heavy ties) up to seven. The CPU reference sorts, which
 //!    gives the identical order.
 //!
+//!    With few tokens (fewer blocks than about twice the multiprocessors), each token's row is cut
+//!    into up to [`TOPK_MAX_SEGMENTS`] contiguous segments ([`Indexer::topk_segments`]), the
+//!    same kernel selects each segment's own top-k into a small persistent list, and a merge
+//!    kernel places every listed entry at its rank in the union (its place in its own list plus
+//!    a binary search in each other list). The global top-k lies inside the union and items are
+//!    unique, so the result is the same exact top-k whatever the segment count: the count may
+//!    follow the padded row count without changing a bit.
+//!
 //! A compressed slot outside the cache cannot occur for a staged step (the block ids a token can
 //! reach are validated by [`CommonAttentionMetadata::stage`]); the GPU kernel would score such an
 //! entry 0, the CPU reference reports it as a kernel failure.
@@ -138,14 +146,15 @@ __device__ __forceinline__ uint64_t hf_topk_item(float x, uint32_t c) {
     return ((uint64_t)hf_topk_key(x) << 32) | (uint64_t)(~c);
 }
 
-// Calls f(item(c)) once for every c < cn, c owned by this thread (which thread owns which c is
-// irrelevant to the result). The aligned body is read as 16-byte vectors, four per thread in flight.
+// Calls f(item(base + c)) once for every c < cn (row points at entry `base`), c owned by this
+// thread (which thread owns which c is irrelevant to the result). The aligned body is read as
+// 16-byte vectors, four per thread in flight.
 template <typename F>
-__device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, F& f) {
+__device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, uint32_t base0, F& f) {
     const uint32_t tid = threadIdx.x;
     uint32_t head = (4u - (uint32_t)((reinterpret_cast<uint64_t>(row) >> 2) & 3u)) & 3u;
     if (head > cn) head = cn;
-    if (tid < head) f(hf_topk_item(row[tid], tid));
+    if (tid < head) f(hf_topk_item(row[tid], base0 + tid));
     const uint32_t nv = (cn - head) / 4u;
     const hf_idx_f4* body = reinterpret_cast<const hf_idx_f4*>(row + head);
     for (uint32_t base = 0; base < nv; base += 4u * HF_TOPK_THREADS) {
@@ -160,11 +169,11 @@ __device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, 
             const uint32_t j = base + u * HF_TOPK_THREADS + tid;
             if (j < nv) {
 #pragma unroll
-                for (uint32_t e = 0; e < 4u; ++e) f(hf_topk_item(v[u].v[e], head + 4u * j + e));
+                for (uint32_t e = 0; e < 4u; ++e) f(hf_topk_item(v[u].v[e], base0 + head + 4u * j + e));
             }
         }
     }
-    for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) f(hf_topk_item(row[c], c));
+    for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) f(hf_topk_item(row[c], base0 + c));
 }
 
 // Block-wide: the bin b holding the need-th largest counted item (need >= 1, at most the total of
@@ -194,8 +203,11 @@ __device__ __forceinline__ void hf_topk_find(const uint32_t* hist, uint32_t need
 }
 
 // out[t, :] = the min(n_t, k) largest items of token t's row in descending order (their indices),
-// -1 after. Blocks of exactly HF_TOPK_THREADS threads, one token per block at a time; the
-// launcher guarantees k <= HF_TOPK_MAXK.
+// -1 after. Blocks of exactly HF_TOPK_THREADS threads, one (token, segment) per block at a time;
+// the launcher guarantees k <= HF_TOPK_MAXK. With segs > 1 the row's n_t entries are cut into
+// segs contiguous segments of ceil(n_t / segs), and each segment's own top-k (global indices,
+// descending, -1 after) goes to seg_out[t, segment, :] for hf_dsv4_indexer_topk_merge; the
+// global top-k is inside their union, so the merged result is the same exact top-k.
 //
 // Levels l = 0 .. 5 refine a prefix (pval under pmask) of the k-th largest item; need counts the
 // items still to take among those matching the prefix (1 <= need <= eq, the prefix's count). When
@@ -207,7 +219,7 @@ __device__ __forceinline__ void hf_topk_find(const uint32_t* hist, uint32_t need
 // write-out, and items are unique), so the output depends on the row's values alone.
 HF_KERNEL void __launch_bounds__(HF_TOPK_THREADS)
 hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
-                     int32_t* out, uint32_t n, uint32_t width, uint32_t k) {
+                     int32_t* out, int32_t* seg_out, uint32_t n, uint32_t width, uint32_t k, uint32_t segs) {
     __shared__ uint32_t hist[HF_TOPK_BINS];
     __shared__ uint64_t sel[HF_TOPK_MAXK];
     __shared__ uint64_t cand[HF_TOPK_CAP];
@@ -216,14 +228,18 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
     __shared__ uint32_t cnt[2];  // items in sel, items in cand
     if (k > HF_TOPK_MAXK || blockDim.x != HF_TOPK_THREADS) return;
     const uint32_t tid = threadIdx.x;
-    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        const uint32_t cn = (uint32_t)hf_idx_visible(positions, slots, tok_req, t, width);
-        const float* row = scores + (uint64_t)t * width;
+    for (uint32_t item = blockIdx.x; item < n * segs; item += gridDim.x) {
+        const uint32_t t = item / segs, sg = item % segs;
+        const uint32_t full = (uint32_t)hf_idx_visible(positions, slots, tok_req, t, width);
+        const uint32_t seg_len = (full + segs - 1u) / segs;
+        const uint32_t lo = sg * seg_len < full ? sg * seg_len : full;
+        const uint32_t cn = full - lo < seg_len ? full - lo : seg_len;
+        const float* row = scores + (uint64_t)t * width + lo;
         __syncthreads();  // the previous token's readers of sel and cnt are done
         if (tid == 0) cnt[0] = cnt[1] = 0u;
         const uint32_t m = cn < k ? cn : k;
         if (cn <= k) {
-            for (uint32_t c = tid; c < cn; c += HF_TOPK_THREADS) sel[c] = hf_topk_item(row[c], c);
+            for (uint32_t c = tid; c < cn; c += HF_TOPK_THREADS) sel[c] = hf_topk_item(row[c], lo + c);
         } else {
             uint64_t pmask = 0, pval = 0;
             uint32_t need = k;
@@ -262,9 +278,9 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                 // Level 0 (every item, the key's top 11 bits) with constants: the hottest pass.
                 auto count0 = [&](uint64_t it) { add((uint32_t)(it >> 53)); };
                 if (l == 0u) {
-                    hf_topk_each_row(row, cn, count0);
+                    hf_topk_each_row(row, cn, lo, count0);
                 } else if (global) {
-                    hf_topk_each_row(row, cn, count);
+                    hf_topk_each_row(row, cn, lo, count);
                 } else {
                     const uint32_t nc = cnt[1];
                     for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) count(cand[i]);
@@ -281,7 +297,7 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                     const uint32_t nc = cnt[1];
                     for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) emit(cand[i]);
                 } else if (global && (done || eq <= HF_TOPK_CAP)) {
-                    hf_topk_each_row(row, cn, emit);
+                    hf_topk_each_row(row, cn, lo, emit);
                     global = false;
                 }
                 if (done) break;
@@ -308,8 +324,49 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                 __syncthreads();
             }
         }
-        int32_t* orow = out + (uint64_t)t * k;
+        int32_t* orow = segs == 1u ? out + (uint64_t)t * k : seg_out + ((uint64_t)t * segs + sg) * k;
         for (uint32_t i = tid; i < k; i += HF_TOPK_THREADS) orow[i] = i < m ? (int32_t)~(uint32_t)sel[i] : -1;
+    }
+}
+
+// out[t, :] = the top-k of the union of token t's segs segment lists (seg_out[t, s, :], each
+// descending, -1 after), -1 after min(n_t, k): one block per token; every listed entry's rank in
+// the union is its place in its own list plus, for every other list, how many of its items are
+// larger (a binary search; items are unique, so ranks are too), and it lands at out[t, rank] when
+// the rank is below k. Integers and comparisons only: exact, in any order.
+__device__ __forceinline__ uint32_t hf_topk_count_above(const float* row, const int32_t* list, uint32_t k,
+                                                        uint64_t it) {
+    uint32_t lo = 0u, hi = k;  // list[0 .. lo) are above it, list[hi ..) are not
+    while (lo < hi) {
+        const uint32_t mid = (lo + hi) / 2u;
+        const int32_t c = list[mid];
+        if (c >= 0 && hf_topk_item(row[c], (uint32_t)c) > it) lo = mid + 1u;
+        else hi = mid;
+    }
+    return lo;
+}
+
+HF_KERNEL void __launch_bounds__(HF_TOPK_THREADS)
+hf_dsv4_indexer_topk_merge(const float* scores, const int32_t* positions, const int32_t* slots,
+                           const int32_t* tok_req, const int32_t* seg_out, int32_t* out, uint32_t n, uint32_t width,
+                           uint32_t k, uint32_t segs) {
+    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+        const uint32_t full = (uint32_t)hf_idx_visible(positions, slots, tok_req, t, width);
+        const uint32_t m = full < k ? full : k;
+        const float* row = scores + (uint64_t)t * width;
+        const int32_t* lists = seg_out + (uint64_t)t * segs * k;
+        int32_t* orow = out + (uint64_t)t * k;
+        for (uint32_t i = m + threadIdx.x; i < k; i += blockDim.x) orow[i] = -1;
+        for (uint32_t i = threadIdx.x; i < segs * k; i += blockDim.x) {
+            const uint32_t own = i / k, at = i % k;
+            const int32_t c = lists[i];
+            if (c < 0) continue;
+            const uint64_t it = hf_topk_item(row[c], (uint32_t)c);
+            uint32_t rank = at;
+            for (uint32_t o = 0; o < segs && rank < k; ++o)
+                if (o != own) rank += hf_topk_count_above(row, lists + (uint64_t)o * k, k, it);
+            if (rank < k) orow[rank] = c;
+        }
     }
 }
 "#;
@@ -321,6 +378,8 @@ pub const INDEXER_WARPS: u32 = 4;
 pub const TOPK_THREADS: u32 = 1024;
 /// Largest `index_topk` the top-k kernel supports (its sorted selection lives in shared memory).
 pub const TOPK_MAX: usize = 1024;
+/// Most segments one token's top-k is cut into (then merged; see [`Indexer::topk_segments`]).
+pub const TOPK_MAX_SEGMENTS: usize = 4;
 /// Items (compressed entries) the top-k kernel keeps in shared memory once the search has
 /// narrowed to them; a larger group is searched by re-reading the row from the workspace.
 pub const TOPK_SHARED_CANDIDATES: usize = 3584;
@@ -418,30 +477,66 @@ fn logits_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
     Ok(())
 }
 
-fn topk_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
-    let (scores, out) = (l.ptr::<f32>(0)?, l.ptr::<i32>(4)?);
-    let (n, width, k) = (l.count(5)?, l.count(6)?, l.count(7)?);
+/// The `k` largest of `candidates` (indices into `row`) by (logit key descending, index
+/// ascending), -1 padded to `k`.
+fn top_of(row: &[f32], candidates: impl Iterator<Item = usize>, k: usize) -> Vec<i32> {
+    let mut order: Vec<(u32, usize)> = candidates.map(|c| (topk_key(row[c]), c)).collect();
+    order.sort_unstable_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut r: Vec<i32> = order.iter().take(k).map(|&(_, c)| c as i32).collect();
+    r.resize(k, -1);
+    r
+}
+
+/// Each token's visible scores `[n_t]`.
+fn visible_rows(l: &CpuLaunch<'_>, n: usize, width: usize) -> holdfast_hal::Result<Vec<Vec<f32>>> {
+    let scores = l.ptr::<f32>(0)?;
     let mut cn = vec![0usize; n];
     for (t, _, c) in visible_tokens(l, 1, n, width)? {
         cn[t] = c;
     }
-    let mut rows = Vec::with_capacity(n);
-    for (t, &c) in cn.iter().enumerate() {
-        rows.push(scores.read(t * width, c)?);
-    }
-    let picked: Vec<Vec<i32>> = rows
+    cn.iter().enumerate().map(|(t, &c)| scores.read(t * width, c)).collect()
+}
+
+fn topk_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
+    let (out, seg_out) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?);
+    let (n, width, k, segs) = (l.count(6)?, l.count(7)?, l.count(8)?, l.count(9)?.max(1));
+    let rows = visible_rows(l, n, width)?;
+    // Per token, each segment's top-k (one segment: the whole row's).
+    let picked: Vec<Vec<Vec<i32>>> = rows
         .par_iter()
         .map(|row| {
-            let keys: Vec<u32> = row.iter().map(|&x| topk_key(x)).collect();
-            let mut order: Vec<u32> = (0..row.len() as u32).collect();
-            order.sort_unstable_by(|&a, &b| keys[b as usize].cmp(&keys[a as usize]).then(a.cmp(&b)));
-            let mut r: Vec<i32> = order.iter().take(k).map(|&c| c as i32).collect();
-            r.resize(k, -1);
-            r
+            let seg_len = row.len().div_ceil(segs);
+            (0..segs)
+                .map(|sg| {
+                    let lo = (sg * seg_len).min(row.len());
+                    top_of(row, lo..(lo + seg_len).min(row.len()), k)
+                })
+                .collect()
         })
         .collect();
-    for (t, r) in picked.iter().enumerate() {
-        out.write(t * k, r)?;
+    for (t, lists) in picked.iter().enumerate() {
+        if segs == 1 {
+            out.write(t * k, &lists[0])?;
+        } else {
+            for (sg, r) in lists.iter().enumerate() {
+                seg_out.write((t * segs + sg) * k, r)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn topk_merge_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
+    let (seg_out, out) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?);
+    let (n, width, k, segs) = (l.count(6)?, l.count(7)?, l.count(8)?, l.count(9)?.max(1));
+    let rows = visible_rows(l, n, width)?;
+    for (t, row) in rows.iter().enumerate() {
+        let lists = seg_out.read(t * segs * k, segs * k)?;
+        let union = lists.iter().filter(|&&c| c >= 0).map(|&c| c as usize);
+        if let Some(bad) = lists.iter().find(|&&c| c >= 0 && c as usize >= row.len()) {
+            return Err(l.fail(format!("token {t}: segment entry {bad} past its {} visible entries", row.len())));
+        }
+        out.write(t * k, &top_of(row, union, k))?;
     }
     Ok(())
 }
@@ -486,11 +581,29 @@ pub fn source() -> &'static KernelSource {
                         inp("slots"),
                         inp("tok_req"),
                         Param::output::<i32>("out"),
+                        Param::output::<i32>("seg_out"),
                         u("n"),
                         u("width"),
                         u("k"),
+                        u("segs"),
                     ],
                     cpu: topk_ref,
+                },
+                KernelEntry {
+                    name: "hf_dsv4_indexer_topk_merge",
+                    params: vec![
+                        Param::input::<f32>("scores"),
+                        inp("positions"),
+                        inp("slots"),
+                        inp("tok_req"),
+                        inp("seg_out"),
+                        Param::output::<i32>("out"),
+                        u("n"),
+                        u("width"),
+                        u("k"),
+                        u("segs"),
+                    ],
+                    cpu: topk_merge_ref,
                 },
             ],
         }
@@ -519,6 +632,13 @@ pub struct Indexer {
     scores: Buffer<f32>,
     logits: Kernel,
     select: Kernel,
+    merge: Kernel,
+    /// Multiprocessors of the device (the automatic segment count fills about twice as many).
+    units: usize,
+    /// A fixed segment count, or `None` for [`Indexer::topk_segments`]'s automatic one.
+    forced_segments: Option<usize>,
+    /// `[segment capacity, topk]` segment lists for the merge.
+    seg_out: Buffer<i32>,
 }
 
 impl std::fmt::Debug for Indexer {
@@ -588,7 +708,37 @@ impl Indexer {
             scores: dev.alloc_persistent("attn.indexer.scores", cells.max(1))?,
             logits: m.kernel("hf_dsv4_indexer_logits")?,
             select: m.kernel("hf_dsv4_indexer_topk")?,
+            merge: m.kernel("hf_dsv4_indexer_topk_merge")?,
+            units: dev.info().compute_units.max(1) as usize,
+            forced_segments: None,
+            seg_out: dev.alloc_persistent(
+                "attn.indexer.topk_segments",
+                (2 * dev.info().compute_units.max(1) as usize * topk).max(1),
+            )?,
         })
+    }
+
+    /// The same indexer with the top-k cut into exactly `segments` (1 to [`TOPK_MAX_SEGMENTS`])
+    /// segments per token at every row count (the result is the same exact top-k; tests use this to
+    /// check every segment count). Allocates the segment lists for every token.
+    pub fn with_topk_segments(mut self, dev: &Device, segments: usize) -> Result<Self> {
+        if segments == 0 || segments > TOPK_MAX_SEGMENTS {
+            return Err(AttentionError::Config(format!(
+                "Indexer::with_topk_segments: {segments} segments; 1 to {TOPK_MAX_SEGMENTS} are supported"
+            )));
+        }
+        let cells = self.max_tokens * segments * self.topk;
+        self.seg_out = dev.alloc_persistent("attn.indexer.topk_segments", cells.max(1))?;
+        self.forced_segments = Some(segments);
+        Ok(self)
+    }
+
+    /// Segments per token the top-k of `num_tokens_padded` tokens uses: enough (token, segment)
+    /// blocks for about two per multiprocessor, at most [`TOPK_MAX_SEGMENTS`] (fixed by
+    /// [`Indexer::with_topk_segments`]). A function of the padded row count and the device only;
+    /// the selected entries never depend on it.
+    pub fn topk_segments(&self, num_tokens_padded: usize) -> usize {
+        self.forced_segments.unwrap_or_else(|| (2 * self.units / num_tokens_padded.max(1)).clamp(1, TOPK_MAX_SEGMENTS))
     }
 
     /// Entries per output row.
@@ -609,7 +759,7 @@ impl Indexer {
     /// One step on `s`: `out [num_tokens_padded, topk]` i32 local compressed positions from
     /// `q [T, heads, head_dim]` bf16 (RoPE applied), `w [T, heads]` f32 head weights and
     /// `k_cache [≥ cache_rows, head_dim]` bf16, with logit `scale` (`T = num_tokens_padded`).
-    /// Two launches, no host sync.
+    /// Two launches (three when the top-k runs in segments), no host sync.
     #[allow(clippy::too_many_arguments)]
     pub fn select(
         &self,
@@ -698,18 +848,38 @@ impl Indexer {
             };
             s.launch(&self.logits, cfg, &logits)?;
             let out = out.slice(0, (t * k).max(1).min(out.len()))?;
+            let segs = self.topk_segments(t);
+            let seg_out = self.seg_out.prefix((t * segs * k).max(1).min(self.seg_out.len()))?;
             let topk = [
                 (&scores).into(),
                 (&pos).into(),
                 (&slots).into(),
                 (&req).into(),
                 (&out).into(),
+                (&seg_out).into(),
                 u(t).into(),
                 u(self.max_compressed).into(),
                 u(k).into(),
+                u(segs).into(),
             ];
-            s.launch(&self.select, topk_launch_config(t), &topk)?;
-            Ok(2)
+            s.launch(&self.select, topk_launch_config(t * segs), &topk)?;
+            if segs == 1 {
+                return Ok(2);
+            }
+            let merge = [
+                (&scores).into(),
+                (&pos).into(),
+                (&slots).into(),
+                (&req).into(),
+                (&seg_out).into(),
+                (&out).into(),
+                u(t).into(),
+                u(self.max_compressed).into(),
+                u(k).into(),
+                u(segs).into(),
+            ];
+            s.launch(&self.merge, topk_launch_config(t), &merge)?;
+            Ok(3)
         })?;
         Ok(BuildStats { launches, host_syncs })
     }

@@ -73,7 +73,8 @@ impl Rig {
                 &self.out.prefix(t * self.topk).expect("out"),
             )
             .expect("select");
-        assert_eq!((stats.launches, stats.host_syncs), (2, 0));
+        let launches = 2 + usize::from(self.idx.topk_segments(t) > 1);
+        assert_eq!((stats.launches, stats.host_syncs), (launches, 0));
         s.copy_to_host_sync(&self.out.view()).expect("read out")
     }
 
@@ -237,6 +238,25 @@ fn long_rows_match_a_sorted_reference_exactly(dev: &Device) {
     assert!(logits.iter().map(|l| l.len()).max().unwrap_or(0) > 1024);
     let want: Vec<Vec<i32>> = logits.iter().map(|l| sorted_topk(l, topk)).collect();
     check_rows(&got, &want, topk, "long rows");
+    // Every fixed segment count selects the same entries through the whole indexer.
+    for segs in 1..=holdfast_attention::indexer::TOPK_MAX_SEGMENTS {
+        rig.idx = Indexer::new(dev, &cfg, heads, dim, topk)
+            .and_then(|i| i.with_topk_segments(dev, segs))
+            .expect("indexer with fixed segments");
+        assert_eq!(rig.idx.topk_segments(t), segs);
+        let again = rig.run(&s, &b, &q, &w, 0.5);
+        assert_eq!(again, got, "{segs} segments");
+    }
+    for bad in [0, holdfast_attention::indexer::TOPK_MAX_SEGMENTS + 1] {
+        let e = Indexer::new(dev, &cfg, heads, dim, topk).and_then(|i| i.with_topk_segments(dev, bad));
+        assert!(matches!(e, Err(AttentionError::Config(_))), "{bad} segments");
+    }
+    // The automatic count: about two blocks per multiprocessor, 1 to 4 segments.
+    let auto = Indexer::new(dev, &cfg, heads, dim, topk).expect("indexer");
+    let units = dev.info().compute_units.max(1) as usize;
+    for rows in [1usize, 2, 3, 64, 1000] {
+        assert_eq!(auto.topk_segments(rows), (2 * units / rows).clamp(1, 4), "{rows} rows");
+    }
 }
 
 fn real_valued_logits_select_a_valid_top_k(dev: &Device) {
@@ -500,13 +520,24 @@ fn compressor_indexer_and_c4a_build_replay_equals_eager(dev: &Device) {
     assert_eq!(graph.replays(), 16);
 }
 
-/// The top-k kernel alone over `scores [visible.len(), width]`: row `t` sees `visible[t]` entries
-/// (`None`: a padding token). The output buffer is poisoned, one row longer than the launch
-/// writes; returns the written rows after checking that the extra row stayed poison.
-fn run_topk(dev: &Device, s: &Stream, width: usize, k: usize, scores: &[f32], visible: &[Option<usize>]) -> Vec<i32> {
+/// The top-k kernels alone over `scores [visible.len(), width]`: row `t` sees `visible[t]` entries
+/// (`None`: a padding token), cut into `segs` segments (then merged when `segs > 1`). The output
+/// buffer is poisoned, one row longer than the launch writes; returns the written rows after
+/// checking that the extra row stayed poison.
+fn run_topk(
+    dev: &Device,
+    s: &Stream,
+    width: usize,
+    k: usize,
+    scores: &[f32],
+    visible: &[Option<usize>],
+    segs: usize,
+) -> Vec<i32> {
     let t = visible.len();
     assert_eq!(scores.len(), t * width);
-    let kernel = dev.compile(indexer_source()).expect("compile").kernel("hf_dsv4_indexer_topk").expect("kernel");
+    let module = dev.compile(indexer_source()).expect("compile");
+    let kernel = module.kernel("hf_dsv4_indexer_topk").expect("kernel");
+    let merge = module.kernel("hf_dsv4_indexer_topk_merge").expect("merge kernel");
     // n_t = (pos + 1) / 4, so pos = 4 n + 2 gives n (and 0 for n = 0).
     let pos: Vec<i32> = visible.iter().map(|v| v.map_or(0, |n| 4 * n as i32 + 2)).collect();
     let slots: Vec<i32> = visible.iter().map(|v| if v.is_some() { 0 } else { -1 }).collect();
@@ -515,17 +546,33 @@ fn run_topk(dev: &Device, s: &Stream, width: usize, k: usize, scores: &[f32], vi
     let (pos, slots, req) = (up("t.pos", &pos), up("t.slots", &slots), up("t.req", &req));
     let sc = dev.alloc_from_slice("t.scores", scores, true).expect("scores");
     let out = dev.alloc_from_slice("t.out", &vec![POISON; (t + 1) * k], true).expect("out");
-    let args = [
+    let seg_out = dev.alloc_from_slice("t.seg_out", &vec![POISON; t * segs * k], true).expect("seg_out");
+    let outv = out.prefix(t * k).expect("out");
+    let scalars = || -> [holdfast_hal::Arg; 4] {
+        [(t as u32).into(), (width as u32).into(), (k as u32).into(), (segs as u32).into()]
+    };
+    let mut args = vec![
         (&sc.view()).into(),
         (&pos.view()).into(),
         (&slots.view()).into(),
         (&req.view()).into(),
-        (&out.prefix(t * k).expect("out")).into(),
-        (t as u32).into(),
-        (width as u32).into(),
-        (k as u32).into(),
+        (&outv).into(),
+        (&seg_out.view()).into(),
     ];
-    s.launch(&kernel, topk_launch_config(t), &args).expect("launch");
+    args.extend(scalars());
+    s.launch(&kernel, topk_launch_config(t * segs), &args).expect("launch");
+    if segs > 1 {
+        let mut margs = vec![
+            (&sc.view()).into(),
+            (&pos.view()).into(),
+            (&slots.view()).into(),
+            (&req.view()).into(),
+            (&seg_out.view()).into(),
+            (&outv).into(),
+        ];
+        margs.extend(scalars());
+        s.launch(&merge, topk_launch_config(t), &margs).expect("merge");
+    }
     let mut got = s.copy_to_host_sync(&out.view()).expect("read out");
     assert!(got[t * k..].iter().all(|&v| v == POISON), "the top-k wrote past its {t} rows");
     got.truncate(t * k);
@@ -593,11 +640,15 @@ fn heavy_ties_nans_and_signed_zeros_give_the_sorted_order_bit_for_bit(dev: &Devi
                 scores.extend(pattern_row(&mut rng, pattern, n));
                 scores.extend(std::iter::repeat_n(f32::NAN, width - n)); // never visible
             }
-            let got = run_topk(dev, &s, width, k, &scores, &visible);
-            for (t, v) in visible.iter().enumerate() {
-                let n = v.unwrap_or(0);
-                let want = sorted_topk_f32(&scores[t * width..t * width + n], k);
-                assert_eq!(&got[t * k..(t + 1) * k], &want[..], "{pattern}, k {k}, row {t} with {v:?} entries");
+            // One segment, and three uneven ones merged: the same exact order.
+            for segs in [1, 3] {
+                let got = run_topk(dev, &s, width, k, &scores, &visible, segs);
+                for (t, v) in visible.iter().enumerate() {
+                    let n = v.unwrap_or(0);
+                    let want = sorted_topk_f32(&scores[t * width..t * width + n], k);
+                    let what = format!("{pattern}, k {k}, {segs} segments, row {t} with {v:?} entries");
+                    assert_eq!(&got[t * k..(t + 1) * k], &want[..], "{what}");
+                }
             }
         }
     }
@@ -609,8 +660,11 @@ fn a_top_k_row_does_not_depend_on_the_rest_of_the_batch(dev: &Device) {
     let (width, k) = (65_536, 1024);
     // Values on a 1/64 grid: ties all over the row, and at the cut.
     let a: Vec<f32> = (0..width).map(|_| (uniform(&mut rng, -8.0, 8.0) * 64.0).round() / 64.0).collect();
-    let alone = run_topk(dev, &s, width, k, &a, &[Some(width)]);
+    let alone = run_topk(dev, &s, width, k, &a, &[Some(width)], 1);
     assert_eq!(alone, sorted_topk_f32(&a, k), "row A alone");
+    for segs in [2, 4] {
+        assert_eq!(run_topk(dev, &s, width, k, &a, &[Some(width)], segs), alone, "row A in {segs} segments");
+    }
     let mut visible = Vec::new();
     let mut scores = Vec::new();
     for r in 0..9 {
@@ -623,8 +677,10 @@ fn a_top_k_row_does_not_depend_on_the_rest_of_the_batch(dev: &Device) {
         visible.push(if r == 7 { None } else { Some(rng.below(width as u64 + 1) as usize) });
         scores.extend(pattern_row(&mut rng, pattern, width));
     }
-    let batched = run_topk(dev, &s, width, k, &scores, &visible);
-    assert_eq!(&batched[4 * k..5 * k], &alone[..], "row A changed with the batch");
+    for segs in [1, 4] {
+        let batched = run_topk(dev, &s, width, k, &scores, &visible, segs);
+        assert_eq!(&batched[4 * k..5 * k], &alone[..], "row A changed with the batch ({segs} segments)");
+    }
 }
 
 holdfast_hal::device_suite!(
@@ -670,7 +726,7 @@ fn the_top_k_compiles_at_both_warp_widths_without_local_memory() {
         let (cubin, ptx) = cuda::compile(indexer_source(), "sm_90", warp).expect("compiles");
         assert!(!cubin.is_empty(), "no CUBIN at warp {warp}");
         let ptx = String::from_utf8_lossy(&ptx);
-        let entry = ptx.split(".entry ").find(|e| e.starts_with("hf_dsv4_indexer_topk")).expect("the top-k entry");
+        let entry = ptx.split(".entry ").find(|e| e.starts_with("hf_dsv4_indexer_topk(")).expect("the top-k entry");
         assert!(!entry.contains(".local"), "the top-k uses local memory at warp {warp}");
         assert!(entry.lines().any(|l| l.contains("ld.global") && l.contains(".v4.")), "no 16-byte row loads");
     }
