@@ -1,8 +1,10 @@
 //! The c4a indexer's top-k alone (`hf_dsv4_indexer_topk` over a filled logit workspace): 64 rows
 //! of 65536 candidates (a 256K-token context) with top-512 and top-1024, for logits spread over
 //! a few octaves and for logits crowded into one octave (the search re-reads the row more often).
-//! Throughput is in rows (tokens) per second. `HOLDFAST_DEVICE` picks the device (default `cpu`,
-//! where only a tiny shape runs).
+//! Throughput is in rows (tokens) per second. Each case runs with one segment per row and with
+//! four (each segment's top-k, then the merge: what the indexer picks for 64 rows on a 132-SM
+//! device), side by side. `HOLDFAST_DEVICE` picks the device (default `cpu`, where only a tiny
+//! shape runs).
 
 use std::time::Instant;
 
@@ -24,7 +26,9 @@ fn bench(c: &mut Criterion) {
     let dev = Device::open(&name).unwrap_or_else(|e| panic!("HOLDFAST_DEVICE={name}: {e}"));
     let gpu = dev.backend() != BackendKind::Cpu;
     let s = dev.create_stream().expect("stream");
-    let kernel = dev.compile(indexer_source()).expect("compile").kernel("hf_dsv4_indexer_topk").expect("kernel");
+    let module = dev.compile(indexer_source()).expect("compile");
+    let kernel = module.kernel("hf_dsv4_indexer_topk").expect("kernel");
+    let merge = module.kernel("hf_dsv4_indexer_topk_merge").expect("merge kernel");
     let (rows, width, ks): (usize, usize, &[usize]) = if gpu { (64, 65_536, &[512, 1024]) } else { (4, 4096, &[512]) };
     let mut g = c.benchmark_group(format!("indexer_topk/{}", dev.backend()));
     g.throughput(Throughput::Elements(rows as u64));
@@ -38,24 +42,24 @@ fn bench(c: &mut Criterion) {
         // Every row sees all `width` entries: n_t = (pos + 1) / 4.
         let pos = dev.alloc_from_slice("bench.pos", &vec![4 * width as i32 - 1; rows], true).expect("pos");
         let zeros = dev.alloc_from_slice("bench.zeros", &vec![0i32; rows], true).expect("zeros");
-        for &k in ks {
+        for (&k, segs) in ks.iter().flat_map(|k| [1usize, 4].map(move |s| (k, s))) {
             let out = dev.alloc_zeroed::<i32>("bench.out", rows * k, true).expect("out");
-            let args = [
-                (&scores.view()).into(),
-                (&pos.view()).into(),
-                (&zeros.view()).into(),
-                (&zeros.view()).into(),
-                (&out.view()).into(),
-                (rows as u32).into(),
-                (width as u32).into(),
-                (k as u32).into(),
-            ];
-            g.bench_function(BenchmarkId::new(format!("{tag}_n{width}_top{k}"), rows), |b| {
+            let seg_out = dev.alloc_zeroed::<i32>("bench.seg_out", rows * segs * k, true).expect("seg_out");
+            let scalars = [(rows as u32).into(), (width as u32).into(), (k as u32).into(), (segs as u32).into()];
+            let (sc, p, z, o, so) = (scores.view(), pos.view(), zeros.view(), out.view(), seg_out.view());
+            let mut args = vec![(&sc).into(), (&p).into(), (&z).into(), (&z).into(), (&o).into(), (&so).into()];
+            args.extend(scalars.clone());
+            let mut margs = vec![(&sc).into(), (&p).into(), (&z).into(), (&z).into(), (&so).into(), (&o).into()];
+            margs.extend(scalars);
+            g.bench_function(BenchmarkId::new(format!("{tag}_n{width}_top{k}_segs{segs}"), rows), |b| {
                 b.iter_custom(|iters| {
                     s.synchronize().expect("sync");
                     let t = Instant::now();
                     for _ in 0..iters {
-                        s.launch(&kernel, topk_launch_config(rows), &args).expect("launch");
+                        s.launch(&kernel, topk_launch_config(rows * segs), &args).expect("launch");
+                        if segs > 1 {
+                            s.launch(&merge, topk_launch_config(rows), &margs).expect("merge");
+                        }
                     }
                     s.synchronize().expect("sync");
                     t.elapsed()

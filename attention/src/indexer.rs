@@ -38,8 +38,8 @@
 //!    whose values crowd into one bin (heavy ties) up to seven. The CPU reference sorts, which
 //!    gives the identical order.
 //!
-//!    With few tokens (fewer blocks than about twice the multiprocessors), each token's row is cut
-//!    into up to [`TOPK_MAX_SEGMENTS`] contiguous segments ([`Indexer::topk_segments`]), the
+//!    Optionally ([`Indexer::with_topk_segments`]; for few tokens, so that more blocks share the
+//!    work) each token's row is cut into up to [`TOPK_MAX_SEGMENTS`] contiguous segments, the
 //!    same kernel selects each segment's own top-k into a small persistent list, and a merge
 //!    kernel places every listed entry at its rank in the union (its place in its own list plus
 //!    a binary search in each other list). The global top-k lies inside the union and items are
@@ -637,7 +637,8 @@ pub struct Indexer {
     units: usize,
     /// A fixed segment count, or `None` for [`Indexer::topk_segments`]'s automatic one.
     forced_segments: Option<usize>,
-    /// `[segment capacity, topk]` segment lists for the merge.
+    /// `[max_num_batched_tokens, segments, topk]` segment lists for the merge (one element when
+    /// the top-k runs in one segment).
     seg_out: Buffer<i32>,
 }
 
@@ -711,10 +712,8 @@ impl Indexer {
             merge: m.kernel("hf_dsv4_indexer_topk_merge")?,
             units: dev.info().compute_units.max(1) as usize,
             forced_segments: None,
-            seg_out: dev.alloc_persistent(
-                "attn.indexer.topk_segments",
-                (2 * dev.info().compute_units.max(1) as usize * topk).max(1),
-            )?,
+            // One segment by default: no lists (`with_topk_segments` allocates them).
+            seg_out: dev.alloc_persistent("attn.indexer.topk_segments", 1)?,
         })
     }
 
@@ -733,12 +732,20 @@ impl Indexer {
         Ok(self)
     }
 
-    /// Segments per token the top-k of `num_tokens_padded` tokens uses: enough (token, segment)
-    /// blocks for about two per multiprocessor, at most [`TOPK_MAX_SEGMENTS`] (fixed by
-    /// [`Indexer::with_topk_segments`]). A function of the padded row count and the device only;
-    /// the selected entries never depend on it.
-    pub fn topk_segments(&self, num_tokens_padded: usize) -> usize {
-        self.forced_segments.unwrap_or_else(|| (2 * self.units / num_tokens_padded.max(1)).clamp(1, TOPK_MAX_SEGMENTS))
+    /// Segments per token the top-k of `num_tokens_padded` tokens uses: the count fixed by
+    /// [`Indexer::with_topk_segments`], else one. (Segmenting so the (token, segment) blocks fill
+    /// the device, [`Indexer::auto_topk_segments`], is correct at every count but not yet measured
+    /// on a GPU against the single pass, so it is not the default.) A function of the padded row
+    /// count and the device only; the selected entries never depend on it.
+    pub fn topk_segments(&self, _num_tokens_padded: usize) -> usize {
+        self.forced_segments.unwrap_or(1)
+    }
+
+    /// The segment count that gives about two (token, segment) blocks per multiprocessor for
+    /// `num_tokens_padded` tokens, 1 to [`TOPK_MAX_SEGMENTS`] (what `with_topk_segments` would be
+    /// given to fill the device).
+    pub fn auto_topk_segments(&self, num_tokens_padded: usize) -> usize {
+        (2 * self.units / num_tokens_padded.max(1)).clamp(1, TOPK_MAX_SEGMENTS)
     }
 
     /// Entries per output row.

@@ -251,11 +251,12 @@ fn long_rows_match_a_sorted_reference_exactly(dev: &Device) {
         let e = Indexer::new(dev, &cfg, heads, dim, topk).and_then(|i| i.with_topk_segments(dev, bad));
         assert!(matches!(e, Err(AttentionError::Config(_))), "{bad} segments");
     }
-    // The automatic count: about two blocks per multiprocessor, 1 to 4 segments.
+    // By default one segment; the device-filling count is about two blocks per multiprocessor.
     let auto = Indexer::new(dev, &cfg, heads, dim, topk).expect("indexer");
     let units = dev.info().compute_units.max(1) as usize;
     for rows in [1usize, 2, 3, 64, 1000] {
-        assert_eq!(auto.topk_segments(rows), (2 * units / rows).clamp(1, 4), "{rows} rows");
+        assert_eq!(auto.topk_segments(rows), 1);
+        assert_eq!(auto.auto_topk_segments(rows), (2 * units / rows).clamp(1, 4), "{rows} rows");
     }
 }
 
