@@ -356,6 +356,8 @@ impl DenseKernels {
                 ),
             ));
         }
+        // The SIMT kernels take the first seven; the tensor-core ones also the split order's ranges.
+        let (splits, split_len) = mma_splits(g.k);
         let args = [
             x.into(),
             w.into(),
@@ -364,23 +366,21 @@ impl DenseKernels {
             u32_of(op, "n", g.n)?.into(),
             u32_of(op, "k", g.k)?.into(),
             u32_of(op, "groups", g.groups)?.into(),
+            u32_of(op, "splits", splits)?.into(),
+            u32_of(op, "split_len", split_len)?.into(),
         ];
         if let (Some(mma), true) = (&self.mma, self.matmul_uses_tensor_cores(x, w, g)) {
-            let (splits, split_len) = mma_splits(g.k);
             let base = match g.mma_kernel() {
                 MmaKernel::Rows16 => 0,
                 MmaKernel::Rows64 => 2,
                 MmaKernel::Tiled => 4,
             };
             let kernel = &mma[base + usize::from(f32_out)];
-            let mut margs = args.to_vec();
-            margs.push(u32_of(op, "splits", splits)?.into());
-            margs.push(u32_of(op, "split_len", split_len)?.into());
-            s.launch(kernel, g.mma_launch_config(), &margs)?;
+            s.launch(kernel, g.mma_launch_config(), &args)?;
             return Ok(());
         }
         let kernel = if g.uses_small_t_kernel() { small_t } else { tiled };
-        s.launch(kernel, g.launch_config(), &args)?;
+        s.launch(kernel, g.launch_config(), &args[..7])?;
         Ok(())
     }
 

@@ -147,11 +147,17 @@ fn exclusive_scan_i32(l: &CpuLaunch<'_>) -> Result<()> {
 }
 
 fn ragged_pack_i32(l: &CpuLaunch<'_>) -> Result<()> {
-    let (dense, len, indptr, flat) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (len, indptr) = (l.ptr::<i32>(1)?, l.ptr::<i32>(2)?);
+    let rows = l.count(4)?;
+    pack_rows(l, &len.read(0, rows)?, &indptr.read(0, rows)?)
+}
+
+/// The packs' row copies (arguments as `hf_ragged_pack_i32`'s): row r's first `clamp(lens[r], 0,
+/// width)` entries of `dense` to `flat[starts[r]..]`, range-checked when asked.
+fn pack_rows(l: &CpuLaunch<'_>, lens: &[i32], starts: &[i32]) -> Result<()> {
+    let (dense, flat) = (l.ptr::<i32>(0)?, l.ptr::<i32>(3)?);
     let (rows, width) = (l.count(4)?, l.count(5)?);
     let (lo, hi, check) = (l.i32(6)?, l.i32(7)?, l.u32(8)? != 0);
-    let lens = len.read(0, rows)?;
-    let starts = indptr.read(0, rows)?;
     for r in 0..rows {
         let n = (lens[r].max(0) as usize).min(width);
         if n == 0 {
@@ -170,26 +176,15 @@ fn ragged_pack_i32(l: &CpuLaunch<'_>) -> Result<()> {
 
 /// The scan of the clamped lengths, then the pack (the device kernel's result, exactly).
 fn ragged_from_dense_i32(l: &CpuLaunch<'_>) -> Result<()> {
-    let (dense, len, indptr, flat) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (len, indptr) = (l.ptr::<i32>(1)?, l.ptr::<i32>(2)?);
     let (rows, width) = (l.count(4)?, l.count(5)?);
-    let (lo, hi, check) = (l.i32(6)?, l.i32(7)?, l.u32(8)? != 0);
     let lens = len.read(0, rows)?;
     let mut starts = Vec::with_capacity(rows + 1);
     starts.push(0i32);
     for (r, v) in lens.iter().enumerate() {
-        let n = (*v).clamp(0, i32::try_from(width).unwrap_or(i32::MAX));
-        starts.push(starts[r].wrapping_add(n));
-        if n == 0 {
-            continue;
-        }
-        let mut row = dense.read(r * width, n as usize)?;
-        if check {
-            row.iter_mut().filter(|v| **v < lo || **v >= hi).for_each(|v| *v = -1);
-        }
-        let base =
-            usize::try_from(starts[r]).map_err(|_| l.fail(format!("indptr[{r}] = {} is negative", starts[r])))?;
-        flat.write(base, &row)?;
+        starts.push(starts[r].wrapping_add((*v).clamp(0, i32::try_from(width).unwrap_or(i32::MAX))));
     }
+    pack_rows(l, &lens, &starts[..rows])?;
     indptr.write(0, &starts)
 }
 

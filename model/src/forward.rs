@@ -736,12 +736,15 @@ impl Forward for ModelForward {
         pieces.piece(stream, |s| this.head_piece(s, t).map_err(g("embed + layer 0 mhc_pre")))?;
         let h = this.cfg.hidden_size;
         for l in 0..this.cfg.num_hidden_layers {
-            let mut outputs = vec![this.arena.view::<bf16>(buf::Y, t * h)?.raw()];
-            if this.tp.is_some() {
-                outputs.push(this.arena.view::<f32>(buf::YP, t * h)?.raw());
-            }
+            // The op writes y, and under tensor parallelism the f32 partial sums too.
+            let y = this.arena.view::<bf16>(buf::Y, t * h)?.raw();
+            let outputs = match this.tp {
+                Some(_) => [y, this.arena.view::<f32>(buf::YP, t * h)?.raw()],
+                None => [y.clone(), y],
+            };
+            let outputs = &outputs[..if this.tp.is_some() { 2 } else { 1 }];
             let (attn, ffn) = &this.op_names[l];
-            pieces.splitting_op(stream, attn, &outputs, |s| this.attention(s, l, t, &meta).map_err(g(attn)))?;
+            pieces.splitting_op(stream, attn, outputs, |s| this.attention(s, l, t, &meta).map_err(g(attn)))?;
             pieces.piece(stream, |s| this.ffn_piece(s, l, t).map_err(g(ffn)))?;
         }
         Ok(())

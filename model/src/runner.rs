@@ -446,8 +446,8 @@ pub fn serve_tensor_parallel(
             .collect()
     });
     let mut ok = Vec::with_capacity(ranks);
-    let mut first_err: Option<ModelError> = None;
-    let mut first_is_collective = true;
+    // The first error, unless it is a collective that timed out behind a later rank's root cause.
+    let mut first_err: Option<(bool, ModelError)> = None;
     for (rank, r) in results.into_iter().enumerate() {
         match r {
             Ok(v) => ok.push(v),
@@ -457,18 +457,13 @@ pub fn serve_tensor_parallel(
                     ModelError::Hal(holdfast_hal::HalError::CollectiveTimeout { .. })
                         | ModelError::Hal(holdfast_hal::HalError::CollectiveAborted { .. })
                 );
-                // A root cause (not a collective timing out behind it) replaces a collective error.
-                let wrapped = ModelError::Step(format!("tensor-parallel rank {rank}: {e}"));
-                match &first_err {
-                    None => first_err = Some(wrapped),
-                    Some(_) if !collective && first_is_collective => first_err = Some(wrapped),
-                    Some(_) => {}
+                if first_err.as_ref().is_none_or(|(was_collective, _)| *was_collective && !collective) {
+                    first_err = Some((collective, ModelError::Step(format!("tensor-parallel rank {rank}: {e}"))));
                 }
-                first_is_collective = first_is_collective && collective;
             }
         }
     }
-    if let Some(e) = first_err {
+    if let Some((_, e)) = first_err {
         return Err(e);
     }
     let mut it = ok.into_iter();

@@ -86,15 +86,9 @@ pub(crate) fn load() -> Result<&'static Nccl, String> {
 
 /// Directories searched after `$HOLDFAST_NCCL_PATH` and the system loader, in order.
 fn search_dirs() -> Vec<PathBuf> {
-    let mut dirs = Vec::new();
-    for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(v) = std::env::var_os(var) {
-            let p = PathBuf::from(v);
-            dirs.push(p.join("lib64"));
-            dirs.push(p.join("lib"));
-        }
-    }
-    for d in ["/usr/local/cuda/lib64", "/usr/local/nccl/lib", "/usr/lib64", "/usr/local/lib"] {
+    // The CUDA libraries' places first, then NCCL's own and the system's.
+    let mut dirs = super::loader::search_dirs();
+    for d in ["/usr/local/nccl/lib", "/usr/lib64", "/usr/local/lib"] {
         dirs.push(PathBuf::from(d));
     }
     dirs.push(PathBuf::from(format!("/usr/lib/{}-linux-gnu", std::env::consts::ARCH)));
