@@ -29,11 +29,12 @@ pub fn plan(scale: Scale) -> Value {
         cases.push(json!({"key": format!("{}/{}", dense::SECTION, dense::rms_case(t, hdim)), "op": "rms_norm",
                           "rows": t, "dim": hdim, "eps": 1e-6}));
     }
-    let (h, ts) = mhc::shapes(scale);
-    for op in MhcOp::ALL {
-        for &t in &ts {
-            cases.push(json!({"key": format!("{}/{}", mhc::SECTION, mhc::case(op, h, t)), "op": op.name(),
-                              "t": t, "hidden": h, "hc_mult": holdfast_mhc::HC_MULT, "sinkhorn_iters": 20}));
+    for (h, ts) in mhc::shapes(scale) {
+        for op in MhcOp::ALL {
+            for &t in &ts {
+                cases.push(json!({"key": format!("{}/{}", mhc::SECTION, mhc::case(op, h, t)), "op": op.name(),
+                                  "t": t, "hidden": h, "hc_mult": holdfast_mhc::HC_MULT, "sinkhorn_iters": 20}));
+            }
         }
     }
     for sh in attention::shapes(scale) {

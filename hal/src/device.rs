@@ -101,6 +101,18 @@ pub struct DeviceInfo {
     pub max_shared_mem_per_block: u32,
 }
 
+impl DeviceInfo {
+    /// Whether the device runs bf16 `mma.sync` (NVIDIA `sm_80` and later): the condition under
+    /// which kernel sources see `HF_HAS_MMA` (portability.h).
+    pub fn has_bf16_mma(&self) -> bool {
+        let sm = self
+            .arch
+            .strip_prefix("sm_")
+            .and_then(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<u32>().ok());
+        self.backend == BackendKind::Cuda && sm.is_some_and(|v| v >= 80)
+    }
+}
+
 /// Dynamic shared memory limit per block of sm_90 (H100/H200), bytes; the CPU backend's figure.
 pub const SM90_MAX_SHARED_MEM_PER_BLOCK: u32 = 227 * 1024;
 

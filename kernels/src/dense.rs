@@ -75,7 +75,7 @@
 //! criterion bench (`benches/dense.rs`, t = 1, 8 and 64) times both kernels. Both grids depend only on the sizes,
 //! so launches are capturable. Any t, n, k (partial tiles are guarded).
 
-use holdfast_hal::{bf16, BackendKind, Device, DeviceInfo, Kernel, LaunchConfig, Stream, View};
+use holdfast_hal::{bf16, Device, DeviceInfo, Kernel, LaunchConfig, Stream, View};
 
 use crate::dense_source::{dense_source, ARGMAX_THREADS, MATMUL_BM, MATMUL_BN, MATMUL_THREADS, NORM_THREADS};
 pub use crate::dense_source::{
@@ -214,11 +214,7 @@ pub const fn mma_shared_bytes(kernel: MmaKernel) -> usize {
 
 /// Whether `info` is an NVIDIA device with bf16 tensor cores (`mma.sync` m16n8k16, sm_80 or newer).
 pub fn has_bf16_tensor_cores(info: &DeviceInfo) -> bool {
-    let sm = info
-        .arch
-        .strip_prefix("sm_")
-        .and_then(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<u32>().ok());
-    info.backend == BackendKind::Cuda && sm.is_some_and(|v| v >= 80)
+    info.has_bf16_mma()
 }
 
 /// Which matmul kernels [`DenseKernels`] runs.

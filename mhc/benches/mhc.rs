@@ -13,7 +13,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use holdfast_hal::{bf16, Buffer, Device, Element, Stream};
 use holdfast_mhc::{
     HcHeadParams, HcHeadWeights, MhcConfig, MhcKernels, MhcOp, MhcOps, MhcPostInputs, MhcPreOutputs, MhcPreParams,
-    MhcPreWeights, HC_MULT,
+    MhcPreWeights, MhcProjection, HC_MULT,
 };
 
 const N: usize = HC_MULT;
@@ -141,23 +141,40 @@ fn bench(c: &mut Criterion) {
     let kernels = MhcKernels::new(&dev).expect("kernels");
     let ts = tokens(&dev);
     let max_t = ts.iter().copied().max().unwrap_or(1);
+    // `HOLDFAST_MHC_TILE=N` forces the projection tile (a tuning knob; the bits do not change).
+    let tile = std::env::var("HOLDFAST_MHC_TILE").ok().map(|v| v.parse::<usize>().expect("HOLDFAST_MHC_TILE"));
     for hidden in [4096usize, 7168] {
-        let ops = MhcOps::new(&dev, &kernels, MhcConfig { hc_mult: N, hidden, max_tokens: max_t }).expect("ops");
+        let cfg = MhcConfig { hc_mult: N, hidden, max_tokens: max_t };
+        let ops = MhcOps::new(&dev, &kernels, cfg).expect("ops").with_tile_tokens(tile).expect("tile");
+        // Where tensor cores run the projection, the portable path is measured beside them.
+        let portable = ops.uses_tensor_cores().then(|| {
+            MhcOps::new(&dev, &kernels, cfg)
+                .expect("ops")
+                .with_projection(MhcProjection::Portable)
+                .with_tile_tokens(tile)
+                .expect("tile")
+        });
         let bufs = Bufs::new(&dev, &s, hidden, max_t);
         for op in MhcOp::ALL {
             let mut g = c.benchmark_group(format!("{}/H={hidden}", op.name()));
             g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1));
+            let mut variants = vec![(if ops.uses_tensor_cores() { "tensor_cores" } else { "portable" }, &ops)];
+            if let (Some(p), false) = (&portable, op == MhcOp::Post) {
+                variants.push(("portable", p));
+            }
             for &t in &ts {
                 let bytes = op.bytes_moved(t, hidden);
-                println!(
-                    "mhc bytes: op={} H={hidden} T={t} bytes={bytes} launch={:?}",
-                    op.name(),
-                    ops.launch_config(op, t)
-                );
                 g.throughput(Throughput::Bytes(bytes));
-                g.bench_with_input(BenchmarkId::from_parameter(t), &t, |b, &t| {
-                    b.iter_custom(|iters| timed(iters, &s, || bufs.run(&ops, &s, op, t)))
-                });
+                for &(name, o) in &variants {
+                    println!(
+                        "mhc bytes: op={} H={hidden} T={t} path={name} bytes={bytes} launch={:?}",
+                        op.name(),
+                        o.launch_config(op, t)
+                    );
+                    g.bench_with_input(BenchmarkId::new(name, t), &t, |b, &t| {
+                        b.iter_custom(|iters| timed(iters, &s, || bufs.run(o, &s, op, t)))
+                    });
+                }
             }
             g.finish();
         }

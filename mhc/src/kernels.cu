@@ -29,6 +29,9 @@
 #define MHC_SUB_PRE 8       // mhc_pre and fused (8 rounds each; 4 tokens share each weight load)
 #define MHC_FINISH_MAX 16
 #define MHC_POST_THREADS 128
+#ifndef MHC_FINISH_UNROLL
+#define MHC_FINISH_UNROLL 4  // chunks per thread in flight in a finish item
+#endif
 // Projection register tiles: tokens per lane (reuse of each fn load) and rounds in flight (loads
 // issued ahead), and the blocks per multiprocessor the register budget must allow.
 #ifndef MHC_TUNE
@@ -441,6 +444,227 @@ __device__ void mhc_project(const hf_bf16* __restrict__ residual, const hf_bf16*
     }
 }
 
+#if defined(HF_HAS_MMA)
+// ---- tensor-core projection (NVIDIA sm_80+) -------------------------------------------------------
+//
+// The same items, partials and finish as above; only the projection item differs. Warp w of the
+// block owns h [256 split + 32 w, + 32) of all four streams, lane (g = lane / 4, q = lane % 4) the
+// 8 h at 256 split + 32 w + 8 q, so a warp's k-range is 4 streams x 32 h = 128 k, read as 16-byte
+// pieces. fn is split into bf16 hi = bf16(fn) and lo = bf16(fn - hi) (fn = hi + lo to about 2^-17)
+// and held in registers as mma B fragments for the warp's k-range, for the whole item. Tokens go
+// through in m-tiles of 16 (rows g and g + 8 per lane): the pieces are copied global -> shared with
+// cp.async into a per-lane slot (only the lane that copies a piece reads it: no barrier), MHC_ST_*
+// m-tiles in flight, and each m-tile costs, per stream, two m16n8k16 mma for hi and two for lo per
+// 8 outputs (the lane's 8 h form two k16 halves: a k permutation applied alike to A and B). x^2 is
+// summed from the same pieces with fmaf (stream by stream, element by element), then over the 4
+// lanes of a row (xor 1, 2). The 8 warps' results per (token, value) are summed in warp order
+// through shared memory, giving the (token, split) partial. Nothing depends on the token count or
+// the tile: a row's partials are a function of its own data and H.
+//
+// Dynamic shared memory: MHC_ST_* stages of 8 warps x PC pieces x 2 rows x 32 lanes x 16 bytes
+// (PC = 4 streams, + x for the fused op), then two [8 warps][16 rows][V] f32 reduction buffers. The
+// host passes exactly that (plan.rs `mma_shared_bytes`); a launch with less runs the portable
+// projection above instead.
+#define MHC_MMA_WARPS (MHC_THREADS / 32)
+#ifndef MHC_TUNE
+#define MHC_ST_HEAD 3
+#define MHC_ST_PRE 4
+#define MHC_ST_FUSED 4
+#endif
+
+template <int ST, int PC, int V>
+struct MhcMmaSmem {
+    static constexpr uint32_t warp_bytes = PC * 2 * 32 * 16;
+    static constexpr uint32_t stage_bytes = warp_bytes * MHC_MMA_WARPS;
+    static constexpr uint32_t bytes = ST * stage_bytes + 2 * MHC_MMA_WARPS * 16 * V * 4;
+};
+
+__device__ __forceinline__ uint32_t mhc_dynamic_smem() {
+    uint32_t r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// The 8 h at h0 of `row` (zero past H, or all zero if !valid) into the lane's shared slot `dst`.
+__device__ __forceinline__ void mhc_piece(bool vec, uint32_t dst, const hf_bf16* row, const hf_bf16* safe,
+                                          uint32_t h0, uint32_t H, bool valid) {
+    if (vec) {
+        hf_cp_async16(dst, valid ? (const void*)(row + h0) : (const void*)safe, valid ? 16u : 0u);
+    } else {
+        const mhc_u32x4 u = valid ? mhc_load8<false>(row, h0, H) : mhc_u32x4{0u, 0u, 0u, 0u};
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
+                     : "memory");
+    }
+}
+
+__device__ __forceinline__ mhc_u32x4 mhc_lds16(uint32_t a) {
+    mhc_u32x4 u;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(u.x), "=r"(u.y), "=r"(u.z), "=r"(u.w) : "r"(a)
+                 : "memory");
+    return u;
+}
+
+// Copies the pieces of m-tile tokens [tm, tm + 16) for this lane: piece p = 2 c + rr is stream c
+// (c = 4: x, fused only) of token tm + g + 8 rr, at slot + 512 p.
+template <int PC>
+__device__ __forceinline__ void mhc_mma_issue(bool vec, uint32_t slot, const hf_bf16* residual, const hf_bf16* x_in,
+                                              uint32_t H, uint32_t tm, uint32_t t_end, uint32_t g, uint32_t h0) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+        const uint64_t t = tm + g + 8 * rr;
+        const bool valid = t < t_end && h0 < H;
+#pragma unroll
+        for (int c = 0; c < MHC_N; ++c)
+            mhc_piece(vec, slot + 512u * (2 * c + rr), valid ? residual + (t * MHC_N + c) * H : residual, residual, h0,
+                           H, valid);
+        if (PC > MHC_N)
+            mhc_piece(vec, slot + 512u * (2 * MHC_N + rr), valid ? x_in + t * H : x_in, x_in, h0, H, valid);
+    }
+}
+
+// `vec`: 16-byte copies and loads (H % 8 == 0, aligned pointers), else element loads; the same
+// values either way, so the same bits.
+template <int J, int ST, bool FUSED>
+__device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
+                                const float* __restrict__ post_in, const float* __restrict__ comb_in,
+                                const float* __restrict__ fn, float* __restrict__ partials, uint32_t H, uint32_t S,
+                                uint32_t split, uint32_t t_begin, uint32_t t_end) {
+    constexpr int V = J + 1;
+    constexpr int NT = (J + 7) / 8;
+    constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;
+    using Smem = MhcMmaSmem<ST, PC, V>;
+    extern __shared__ __align__(16) unsigned char mhc_dyn[];
+    float* red = reinterpret_cast<float*>(mhc_dyn + ST * Smem::stage_bytes);  // [2][8][16][V]
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
+    const uint32_t h0 = split * MHC_SPLIT_H + warp * 32 + q * 8;
+    const uint32_t D = MHC_N * H;
+    const uint32_t slot = hf_smem_addr(mhc_dyn) + warp * Smem::warp_bytes + lane * 16;
+    const uint32_t M = (t_end - t_begin + 15) / 16;
+
+    // The first m-tiles' copies go out before the weights are read.
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+        if ((uint32_t)s < M) mhc_mma_issue<PC>(vec, slot + s * Smem::stage_bytes, residual, x_in, H, t_begin + 16 * s, t_end, g, h0);
+        hf_cp_async_commit();
+    }
+
+    // B fragments: column n = 8 nt + g, the lane's 8 k of stream c; word w holds elements 2w, 2w+1.
+    uint32_t bhi[MHC_N][NT][4], blo[MHC_N][NT][4];
+#pragma unroll
+    for (int c = 0; c < MHC_N; ++c)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t n = nt * 8 + g;
+            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (n < (uint32_t)J && h0 < H) {
+                const float* src = fn + (uint64_t)n * D + (uint64_t)c * H + h0;
+                if (vec)
+                    mhc_load_f8<true>(src, 8, f);
+                else
+                    mhc_load_f8<false>(src, H - h0, f);
+            }
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const hf_bf16 a = hf_f32_to_bf16(f[2 * w]), b = hf_f32_to_bf16(f[2 * w + 1]);
+                bhi[c][nt][w] = (uint32_t)a.bits | ((uint32_t)b.bits << 16);
+                blo[c][nt][w] = hf_pack_bf16x2(f[2 * w] - hf_bf16_to_f32(a), f[2 * w + 1] - hf_bf16_to_f32(b));
+            }
+        }
+
+#pragma unroll 1
+    for (uint32_t m = 0; m < M; ++m) {
+        {
+            const uint32_t nm = m + ST - 1;
+            if (nm < M) mhc_mma_issue<PC>(vec, slot + (nm % ST) * Smem::stage_bytes, residual, x_in, H, t_begin + 16 * nm, t_end, g, h0);
+            hf_cp_async_commit();
+        }
+        hf_cp_async_wait<ST - 1>();
+        const uint32_t base = slot + (m % ST) * Smem::stage_bytes;
+        const uint32_t tm = t_begin + 16 * m;
+        mhc_u32x4 p[MHC_N][2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+#pragma unroll
+            for (int c = 0; c < MHC_N; ++c) p[c][rr] = mhc_lds16(base + 512u * (2 * c + rr));
+            if (FUSED) {
+                const uint64_t t = tm + g + 8 * rr;
+                if (t < t_end) {
+                    float coef[MHC_N + MHC_N * MHC_N];
+#pragma unroll
+                    for (int i = 0; i < MHC_N; ++i) coef[i] = post_in[t * MHC_N + i];
+#pragma unroll
+                    for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = comb_in[t * MHC_N * MHC_N + i];
+                    mhc_u32x4 ru[MHC_N], mixed[MHC_N];
+#pragma unroll
+                    for (int c = 0; c < MHC_N; ++c) ru[c] = p[c][rr];
+                    mhc_post_mix(mhc_lds16(base + 512u * (2 * MHC_N + rr)), ru, coef, mixed);
+#pragma unroll
+                    for (int c = 0; c < MHC_N; ++c) p[c][rr] = mixed[c];
+                }
+            }
+        }
+        float ss[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr)
+#pragma unroll
+            for (int c = 0; c < MHC_N; ++c) {
+                float v[8];
+                mhc_unpack(p[c][rr], v);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) ss[rr] = fmaf(v[e], v[e], ss[rr]);
+            }
+        float acc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < MHC_N; ++c) {
+            const uint32_t a0[4] = {p[c][0].x, p[c][1].x, p[c][0].y, p[c][1].y};
+            const uint32_t a1[4] = {p[c][0].z, p[c][1].z, p[c][0].w, p[c][1].w};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                hf_mma_bf16(acc[nt], a0, bhi[c][nt][0], bhi[c][nt][1]);
+                hf_mma_bf16(acc[nt], a1, bhi[c][nt][2], bhi[c][nt][3]);
+                hf_mma_bf16(acc[nt], a0, blo[c][nt][0], blo[c][nt][1]);
+                hf_mma_bf16(acc[nt], a1, blo[c][nt][2], blo[c][nt][3]);
+            }
+        }
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+            ss[rr] = ss[rr] + hf_shfl_xor(ss[rr], 1);
+            ss[rr] = ss[rr] + hf_shfl_xor(ss[rr], 2);
+        }
+        float* r = red + ((m & 1) * MHC_MMA_WARPS + warp) * 16 * V;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const uint32_t n = nt * 8 + 2 * q + e;
+                if (n < (uint32_t)J) {
+                    r[g * V + 1 + n] = acc[nt][e];
+                    r[(g + 8) * V + 1 + n] = acc[nt][2 + e];
+                }
+            }
+        if (q == 0) {
+            r[g * V] = ss[0];
+            r[(g + 8) * V] = ss[1];
+        }
+        __syncthreads();
+        const float* rb = red + (m & 1) * MHC_MMA_WARPS * 16 * V;
+        for (uint32_t idx = threadIdx.x; idx < 16u * V; idx += MHC_THREADS) {
+            const uint32_t row = idx / V, v = idx % V;
+            const uint64_t t = tm + row;
+            if (t < t_end) {
+                float a = rb[row * V + v];
+#pragma unroll
+                for (int w = 1; w < MHC_MMA_WARPS; ++w) a = a + rb[(w * 16 + row) * V + v];
+                partials[(t * S + split) * V + v] = a;
+            }
+        }
+    }
+    hf_cp_async_wait_all();
+}
+#endif
+
 // Split sums of tokens [t0, t0 + count) into s_sum[u][v], in split order. The partials were written
 // by other blocks during this launch: volatile loads (never a stale L1 line), 8 in flight at once.
 template <int V>
@@ -483,23 +707,37 @@ __device__ void mhc_head_finish(const hf_bf16* __restrict__ residual, const floa
         s_gate[u][i] = mhc_sigmoid(fmaf(s_sum[u][1 + i] * r, scale[0], base[i])) + hc_eps;
     }
     __syncthreads();
-    const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK;
-    for (uint32_t idx = threadIdx.x; idx < count * HC; idx += MHC_THREADS) {
-        const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
-        const uint64_t t = t0 + u;
-        mhc_u32x4 src[MHC_N];
+    const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK, total = count * HC;
+    // MHC_FINISH_UNROLL chunks per thread in flight: all their loads go out before any store.
+    for (uint32_t i0 = threadIdx.x; i0 < total; i0 += MHC_THREADS * MHC_FINISH_UNROLL) {
+        mhc_u32x4 src[MHC_FINISH_UNROLL][MHC_N];
 #pragma unroll
-        for (int i = 0; i < MHC_N; ++i) src[i] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
+            const uint32_t idx = i0 + k * MHC_THREADS;
+            if (idx < total) {
+                const uint64_t t = t0 + idx / HC;
+                const uint32_t h0 = (idx % HC) * MHC_CHUNK;
 #pragma unroll
-        for (int i = 0; i < MHC_N; ++i) {
-            float v[8];
-            mhc_unpack(src[i], v);
-            const float g = s_gate[u][i];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = fmaf(g, v[e], acc[e]);
+                for (int i = 0; i < MHC_N; ++i) src[k][i] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
+            }
         }
-        mhc_store8<VEC>(out + t * H, h0, H, mhc_repack(acc));
+#pragma unroll
+        for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
+            const uint32_t idx = i0 + k * MHC_THREADS;
+            if (idx < total) {
+                const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
+                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int i = 0; i < MHC_N; ++i) {
+                    float v[8];
+                    mhc_unpack(src[k][i], v);
+                    const float g = s_gate[u][i];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(g, v[e], acc[e]);
+                }
+                mhc_store8<VEC>(out + (uint64_t)(t0 + u) * H, h0, H, mhc_repack(acc));
+            }
+        }
     }
 }
 
@@ -514,8 +752,8 @@ __device__ void mhc_head_body(const hf_bf16* residual, const float* fn, const fl
     const uint32_t t_begin = it.tile * tile_tokens;
     const uint32_t t_end = min(T, t_begin + tile_tokens);
     if (it.project) {
-        mhc_project<MHC_N, MHC_SUB_HEAD, MHC_TT_HEAD, MHC_UNROLL_HEAD, VEC, false>(residual, nullptr, nullptr, nullptr, fn, partials, H, S, it.index, t_begin,
-                                          t_end);
+        mhc_project<MHC_N, MHC_SUB_HEAD, MHC_TT_HEAD, MHC_UNROLL_HEAD, VEC, false>(
+            residual, nullptr, nullptr, nullptr, fn, partials, H, S, it.index, t_begin, t_end);
         mhc_arrive(sync, it.tile);
         return;
     }
@@ -536,6 +774,18 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
     if (T == 0 || finish_tokens > MHC_FINISH_MAX || gridDim.x != Q * (S + F)) return;  // host bug: never hang
     const uint32_t ticket = mhc_claim(sync);
     const bool vec = (H % MHC_CHUNK == 0) && mhc_aligned16(residual) && mhc_aligned16(fn) && mhc_aligned16(out);
+#if defined(HF_HAS_MMA)
+    if (mhc_dynamic_smem() >= MhcMmaSmem<MHC_ST_HEAD, MHC_N, MHC_N + 1>::bytes) {
+        const MhcItem it = mhc_item(ticket, S, F, Q);
+        if (it.project) {
+            const uint32_t t_begin = it.tile * tile_tokens;
+            mhc_project_mma<MHC_N, MHC_ST_HEAD, false>(vec, residual, nullptr, nullptr, nullptr, fn, partials, H, S,
+                                                       it.index, t_begin, min(T, t_begin + tile_tokens));
+            mhc_arrive(sync, it.tile);
+            return;
+        }
+    }
+#endif
     if (vec)
         mhc_head_body<true>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
                             finish_tokens, ticket);
@@ -599,32 +849,46 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
         }
     }
     __syncthreads();
-    const uint32_t H = a.H, HC = (H + MHC_CHUNK - 1) / MHC_CHUNK;
-    for (uint32_t idx = threadIdx.x; idx < count * HC; idx += MHC_THREADS) {
-        const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
-        const uint64_t t = t0 + u;
-        mhc_u32x4 src[MHC_N];
+    const uint32_t H = a.H, HC = (H + MHC_CHUNK - 1) / MHC_CHUNK, total = count * HC;
+    constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;  // the streams, then x (fused)
+    for (uint32_t i0 = threadIdx.x; i0 < total; i0 += MHC_THREADS * MHC_FINISH_UNROLL) {
+        mhc_u32x4 src[MHC_FINISH_UNROLL][PC];
 #pragma unroll
-        for (int i = 0; i < MHC_N; ++i) src[i] = mhc_load8<VEC>(a.residual + (t * MHC_N + i) * H, h0, H);
-        if (FUSED) {
-            mhc_u32x4 mixed[MHC_N];
-            mhc_post_mix(mhc_load8<VEC>(a.x_in + t * H, h0, H), src, s_coef[u], mixed);
+        for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
+            const uint32_t idx = i0 + k * MHC_THREADS;
+            if (idx < total) {
+                const uint64_t t = t0 + idx / HC;
+                const uint32_t h0 = (idx % HC) * MHC_CHUNK;
 #pragma unroll
-            for (int i = 0; i < MHC_N; ++i) {
-                src[i] = mixed[i];
-                mhc_store8<VEC>(a.residual_out + (t * MHC_N + i) * H, h0, H, mixed[i]);
+                for (int i = 0; i < MHC_N; ++i) src[k][i] = mhc_load8<VEC>(a.residual + (t * MHC_N + i) * H, h0, H);
+                if (FUSED) src[k][PC - 1] = mhc_load8<VEC>(a.x_in + t * H, h0, H);
             }
         }
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < MHC_N; ++i) {
-            float v[8];
-            mhc_unpack(src[i], v);
-            const float p = s_pre[u][i];
+        for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
+            const uint32_t idx = i0 + k * MHC_THREADS;
+            if (idx >= total) continue;
+            const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
+            const uint64_t t = t0 + u;
+            mhc_u32x4 rows[MHC_N];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, v[e], acc[e]);
+            for (int i = 0; i < MHC_N; ++i) rows[i] = src[k][i];
+            if (FUSED) {
+                mhc_post_mix(src[k][PC - 1], src[k], s_coef[u], rows);
+#pragma unroll
+                for (int i = 0; i < MHC_N; ++i) mhc_store8<VEC>(a.residual_out + (t * MHC_N + i) * H, h0, H, rows[i]);
+            }
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < MHC_N; ++i) {
+                float v[8];
+                mhc_unpack(rows[i], v);
+                const float p = s_pre[u][i];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, v[e], acc[e]);
+            }
+            mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
         }
-        mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
     }
 }
 
@@ -638,8 +902,9 @@ __device__ void mhc_pre_body(const MhcPreArgs& a, uint32_t ticket) {
     const uint32_t t_begin = it.tile * a.tile_tokens;
     const uint32_t t_end = min(a.T, t_begin + a.tile_tokens);
     if (it.project) {
-        mhc_project<J, MHC_SUB_PRE, FUSED ? MHC_TT_FUSED : MHC_TT_PRE, FUSED ? MHC_UNROLL_FUSED : MHC_UNROLL_PRE, VEC, FUSED>(a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S, it.index,
-                                      t_begin, t_end);
+        mhc_project<J, MHC_SUB_PRE, FUSED ? MHC_TT_FUSED : MHC_TT_PRE, FUSED ? MHC_UNROLL_FUSED : MHC_UNROLL_PRE, VEC,
+                    FUSED>(a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S, it.index, t_begin,
+                           t_end);
         mhc_arrive(a.sync, it.tile);
         return;
     }
@@ -659,6 +924,20 @@ __device__ __forceinline__ void mhc_pre_entry(const MhcPreArgs& a) {
     const uint32_t ticket = mhc_claim(a.sync);
     bool vec = (a.H % MHC_CHUNK == 0) && mhc_aligned16(a.residual) && mhc_aligned16(a.fn) && mhc_aligned16(a.layer_input);
     if (FUSED) vec = vec && mhc_aligned16(a.x_in) && mhc_aligned16(a.residual_out);
+#if defined(HF_HAS_MMA)
+    constexpr int J = MHC_N * (MHC_N + 2);
+    constexpr int ST = FUSED ? MHC_ST_FUSED : MHC_ST_PRE;
+    if (mhc_dynamic_smem() >= MhcMmaSmem<ST, FUSED ? MHC_N + 1 : MHC_N, J + 1>::bytes) {
+        const MhcItem it = mhc_item(ticket, S, F, Q);
+        if (it.project) {
+            const uint32_t t_begin = it.tile * a.tile_tokens;
+            mhc_project_mma<J, ST, FUSED>(vec, a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S,
+                                          it.index, t_begin, min(a.T, t_begin + a.tile_tokens));
+            mhc_arrive(a.sync, it.tile);
+            return;
+        }
+    }
+#endif
     if (vec)
         mhc_pre_body<true, FUSED>(a, ticket);
     else

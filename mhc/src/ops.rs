@@ -21,6 +21,18 @@ pub struct MhcConfig {
     pub max_tokens: usize,
 }
 
+/// The kernel path of the projection (the `x · fnᵀ` reduction) in `hc_head`, `mhc_pre` and
+/// `mhc_fused_post_pre`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MhcProjection {
+    /// Tensor cores on NVIDIA sm_80+ (bf16 `mma.sync`, f32 accumulation, each `fn` weight split
+    /// into two bf16 terms that carry it to about 2^-17 relative), the portable path elsewhere.
+    #[default]
+    Auto,
+    /// f32 fused multiply-adds in the CPU reference's order on every device.
+    Portable,
+}
+
 /// The weights of `hc_head` (§6.5), all f32.
 #[derive(Clone, Copy, Debug)]
 pub struct HcHeadWeights<'a> {
@@ -72,6 +84,10 @@ pub struct MhcOps {
     pub(crate) config: MhcConfig,
     /// Multiprocessors (compute units) of the device, for the launch shapes.
     units: usize,
+    /// The projection items' kernel path and tile (see [`MhcProjection`], [`MhcOps::with_tile_tokens`]).
+    shape: plan::ReduceShape,
+    /// The device runs bf16 `mma.sync`.
+    has_mma: bool,
     pub(crate) partials: Buffer<f32>,
     pub(crate) sync: Buffer<u32>,
 }
@@ -98,7 +114,35 @@ impl MhcOps {
         let partials = device.alloc_persistent::<f32>("mhc.partials", t * splits(config.hidden) * (PRE_ROWS + 1))?;
         let sync = device.alloc_zeroed::<u32>("mhc.sync", 1 + 2 * t, true)?;
         let units = (device.info().compute_units as usize).max(1);
-        Ok(MhcOps { kernels: kernels.clone(), config, units, partials, sync })
+        let has_mma = device.info().has_bf16_mma();
+        let shape = plan::ReduceShape { mma: has_mma, tile_tokens: None };
+        Ok(MhcOps { kernels: kernels.clone(), config, units, shape, has_mma, partials, sync })
+    }
+
+    /// Chooses the projection kernel path: [`MhcProjection::Auto`] (the default) takes tensor
+    /// cores where the device has them; [`MhcProjection::Portable`] always takes the portable
+    /// FMA path (the reference's own order of operations).
+    pub fn with_projection(mut self, projection: MhcProjection) -> Self {
+        self.shape.mma = projection == MhcProjection::Auto && self.has_mma;
+        self
+    }
+
+    /// Whether the split-reduction ops run their projection on tensor cores.
+    pub fn uses_tensor_cores(&self) -> bool {
+        self.shape.mma
+    }
+
+    /// Forces the tokens per projection tile (`1..=128`; `None`: the plan's choice, a function of
+    /// `T`, `H` and the multiprocessor count). A tuning knob: every tile gives the same bits (a
+    /// token's reduction order depends on `H` alone). Fails outside `1..=128`.
+    pub fn with_tile_tokens(mut self, tile_tokens: Option<usize>) -> Result<Self> {
+        if let Some(t) = tile_tokens {
+            if !(1..=128).contains(&t) {
+                return Err(MhcError::Unsupported(format!("tile_tokens {t} (need 1..=128)")));
+            }
+        }
+        self.shape.tile_tokens = tile_tokens;
+        Ok(self)
     }
 
     /// The configuration.
@@ -119,15 +163,15 @@ impl MhcOps {
         }
         let h = self.config.hidden;
         Some(match op {
-            MhcOp::HcHead => plan::reduce(Reduce::Head, tokens, h, self.units).config,
-            MhcOp::Pre => plan::reduce(Reduce::Pre, tokens, h, self.units).config,
-            MhcOp::FusedPostPre => plan::reduce(Reduce::Fused, tokens, h, self.units).config,
+            MhcOp::HcHead => plan::reduce(Reduce::Head, tokens, h, self.units, self.shape).config,
+            MhcOp::Pre => plan::reduce(Reduce::Pre, tokens, h, self.units, self.shape).config,
+            MhcOp::FusedPostPre => plan::reduce(Reduce::Fused, tokens, h, self.units, self.shape).config,
             MhcOp::Post => plan::post(tokens, h).0,
         })
     }
 
     pub(crate) fn reduce_plan(&self, kind: Reduce, tokens: usize) -> plan::ReducePlan {
-        plan::reduce(kind, tokens, self.config.hidden, self.units)
+        plan::reduce(kind, tokens, self.config.hidden, self.units, self.shape)
     }
 
     /// Tokens of a residual view `[T, n, H]`, checked against `max_tokens`.

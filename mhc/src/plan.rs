@@ -28,15 +28,47 @@ pub(crate) enum Reduce {
     Fused,
 }
 
+/// Tokens of one tensor-core m-tile: tiles of the tensor-core projection are multiples of it.
+const MMA_ROWS: usize = 16;
+
 impl Reduce {
-    /// Tokens one 32-lane slot covers per pass: token groups (32 / lanes per token) × register tile
-    /// (`MHC_SUB_*`, `MHC_TT_*` in `kernels.cu`).
+    /// Tokens one 32-lane slot covers per pass of the portable projection: token groups (32 /
+    /// lanes per token) × register tile (`MHC_SUB_*`, `MHC_TT_*` in `kernels.cu`).
     fn tokens_per_slot(self) -> usize {
         match self {
             Reduce::Head => 2,
             Reduce::Pre | Reduce::Fused => 4 * 2,
         }
     }
+
+    /// Outputs per (token, split): the sum of squares and one dot product per `fn` row.
+    fn values(self) -> usize {
+        match self {
+            Reduce::Head => 4 + 1,
+            Reduce::Pre | Reduce::Fused => 24 + 1,
+        }
+    }
+
+    /// Blocks of the tensor-core kernel one multiprocessor holds (its shared memory and registers).
+    fn mma_blocks_per_unit(self) -> usize {
+        match self {
+            Reduce::Head => 2,
+            Reduce::Pre | Reduce::Fused => 1,
+        }
+    }
+}
+
+/// Dynamic shared memory of the tensor-core projection, bytes (`MhcMmaSmem` in `kernels.cu`):
+/// `stages · 8 warps · pieces · 2 rows · 32 lanes · 16 B` plus two `[8 warps][16 rows][values]`
+/// f32 reduction buffers; 3 stages for `hc_head` (two blocks per multiprocessor), 4 otherwise.
+pub(crate) fn mma_shared_bytes(kind: Reduce) -> u32 {
+    let (stages, pieces) = match kind {
+        Reduce::Head => (3, 4),
+        Reduce::Pre => (4, 4),
+        Reduce::Fused => (4, 5),
+    };
+    let values = kind.values() as u32;
+    stages * WARPS as u32 * pieces * 2 * 32 * 16 + 2 * WARPS as u32 * MMA_ROWS as u32 * values * 4
 }
 
 /// Shape of one split-reduction launch: `tiles · (splits + finish_per_tile)` blocks.
@@ -52,26 +84,44 @@ pub(crate) struct ReducePlan {
     pub config: LaunchConfig,
 }
 
-/// Plans a split-reduction launch for `tokens > 0`: enough projection items to give every
-/// multiprocessor about two (`units` of them), tiles of whole passes (8 warps × the tokens of a
-/// warp) up to 128 tokens, and finish items of 16 tokens (fewer if the tile is smaller).
-pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize) -> ReducePlan {
+/// How the projection items run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReduceShape {
+    /// The tensor-core projection (the launch carries its dynamic shared memory).
+    pub mma: bool,
+    /// Tokens per tile forced by the caller (`1..=128`), else the plan's choice.
+    pub tile_tokens: Option<usize>,
+}
+
+/// Plans a split-reduction launch for `tokens > 0`. The portable projection: enough projection
+/// items to give every multiprocessor about two (`units` of them), tiles of whole passes (8 warps
+/// × the tokens of a warp) up to 128 tokens. The tensor-core one: about one item per resident
+/// block, tiles of whole m-tiles (16 tokens) up to 128. Finish items take 16 tokens (fewer if
+/// the tile is smaller).
+pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, shape: ReduceShape) -> ReducePlan {
     let s = splits(hidden);
-    let pass = WARPS * kind.tokens_per_slot();
-    let tiles_wanted = (2 * units.max(1)).div_ceil(s).max(1);
-    let mut tile = tokens.div_ceil(tiles_wanted).clamp(1, TILE_MAX);
-    if tile > pass {
-        tile = (tile.div_ceil(pass) * pass).min(TILE_MAX);
-    }
+    let (pass, per_unit) =
+        if shape.mma { (MMA_ROWS, kind.mma_blocks_per_unit()) } else { (WARPS * kind.tokens_per_slot(), 2) };
+    let tiles_wanted = (per_unit * units.max(1)).div_ceil(s).max(1);
+    let mut tile = match shape.tile_tokens {
+        Some(t) => t.clamp(1, TILE_MAX),
+        None => {
+            let mut tile = tokens.div_ceil(tiles_wanted).clamp(1, TILE_MAX);
+            if tile > pass {
+                tile = (tile.div_ceil(pass) * pass).min(TILE_MAX);
+            }
+            tile
+        }
+    };
+    tile = tile.min(tokens.max(1)).max(1);
     let finish = FINISH_MAX.min(tile);
     let tiles = tokens.div_ceil(tile);
     let blocks = tiles * (s + tile.div_ceil(finish));
-    ReducePlan {
-        tile_tokens: tile,
-        finish_tokens: finish,
-        tiles,
-        config: LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS),
+    let mut config = LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS);
+    if shape.mma {
+        config.shared_mem_bytes = mma_shared_bytes(kind);
     }
+    ReducePlan { tile_tokens: tile, finish_tokens: finish, tiles, config }
 }
 
 /// Shape of an `mhc_post` launch for `tokens > 0`: `(ceil(H / 8 / 128), ceil(T / per_block))`
@@ -98,8 +148,19 @@ mod tests {
         for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
             for hidden in [1, 7, 256, 300, 4096, 7168] {
                 for tokens in [1, 2, 3, 31, 64, 100, 1000, 1024, 4096, 16_384] {
-                    for units in [1, 2, 132] {
-                        let p = reduce(kind, tokens, hidden, units);
+                    for (units, mma, forced) in [
+                        (1, false, None),
+                        (2, true, None),
+                        (132, false, None),
+                        (132, true, None),
+                        (132, true, Some(48)),
+                        (132, true, Some(1000)),
+                    ] {
+                        let p = reduce(kind, tokens, hidden, units, ReduceShape { mma, tile_tokens: forced });
+                        assert_eq!(p.config.shared_mem_bytes, if mma { mma_shared_bytes(kind) } else { 0 });
+                        if let Some(f) = forced {
+                            assert_eq!(p.tile_tokens, f.min(TILE_MAX).min(tokens));
+                        }
                         assert!(p.tile_tokens >= 1 && p.tile_tokens <= TILE_MAX);
                         assert!(p.finish_tokens >= 1 && p.finish_tokens <= FINISH_MAX.min(p.tile_tokens));
                         assert!(p.tiles * p.tile_tokens >= tokens && (p.tiles - 1) * p.tile_tokens < tokens);
@@ -110,6 +171,18 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn tensor_core_shared_memory_fits_one_sm90_block_and_matches_the_kernel() {
+        // MhcMmaSmem<3, 4, 5>, <4, 4, 25>, <4, 5, 25> in kernels.cu.
+        assert_eq!(mma_shared_bytes(Reduce::Head), 3 * 32 * 1024 + 5 * 1024);
+        assert_eq!(mma_shared_bytes(Reduce::Pre), 4 * 32 * 1024 + 25 * 1024);
+        assert_eq!(mma_shared_bytes(Reduce::Fused), 4 * 40 * 1024 + 25 * 1024);
+        // Static shared memory of the kernels is under 8 KiB; two hc_head blocks share one SM.
+        let budget = holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK - 8 * 1024;
+        assert!(mma_shared_bytes(Reduce::Fused) <= budget);
+        assert!(2 * (mma_shared_bytes(Reduce::Head) + 8 * 1024) <= 228 * 1024);
     }
 
     #[test]

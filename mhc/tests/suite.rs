@@ -2,7 +2,8 @@
 //! by `device_suite!` (always on `cpu`; on `cuda:0` with the `cuda` feature, printing a skip line
 //! when no CUDA device is usable).
 //!
-//! Sizes: H ∈ {256, 4096, 7168} (plus 300, a hidden size that is not a multiple of 8), T ∈ {0, 1,
+//! Sizes: H ∈ {256, 4096, 7168} (plus 300, a hidden size that is not a multiple of 8, and 1000,
+//! whose last split is partial), T ∈ {0, 1,
 //! 3, 64, 1000}. On the CPU backend in an unoptimised build (the default `cargo test` profile) the
 //! H = 7168 cases stop at T = 250 and the batch-invariance test uses H = 1024: the CPU kernels are
 //! the reference itself, about 3·10⁶ fmas per token of `mhc_pre` at H = 7168 and 10-15 ns each
@@ -17,7 +18,7 @@ use holdfast_hal::{BackendKind, Buffer, Device, Element, Stream, View};
 use holdfast_mhc::reference::{self, PreOutput};
 use holdfast_mhc::{
     HcHeadParams, HcHeadWeights, MhcConfig, MhcError, MhcKernels, MhcOp, MhcOps, MhcPostInputs, MhcPreOutputs,
-    MhcPreParams, MhcPreWeights,
+    MhcPreParams, MhcPreWeights, MhcProjection,
 };
 
 const HIDDEN: [usize; 3] = [256, 4096, 7168];
@@ -25,7 +26,7 @@ const BF16_TOL: f64 = 1e-2;
 const F32_TOL: f64 = 1e-4;
 
 fn token_cases(dev: &Device, hidden: usize) -> Vec<usize> {
-    if hidden == 300 {
+    if hidden == 300 || hidden == 1000 {
         return vec![1, 3, 64];
     }
     if dev.backend() == BackendKind::Cpu && cfg!(debug_assertions) && hidden >= 7168 {
@@ -70,9 +71,11 @@ fn gather_pre(o: &PreOutput, hidden: usize, rows: &[usize]) -> PreOutput {
     }
 }
 
+/// [`HIDDEN`], plus 300 (not a multiple of 8: element loads) and 1000 (a multiple of 8 whose last
+/// split is partial: 232 of 256 h, down to one 8-h piece of the last warp).
 fn hidden_cases() -> Vec<usize> {
     let mut h = HIDDEN.to_vec();
-    h.push(300);
+    h.extend([300, 1000]);
     h
 }
 
@@ -399,6 +402,83 @@ fn fused_post_pre_matches_its_reference_the_f64_spec_and_post_then_pre(dev: &Dev
                 bits_bf16(&got.layer_input),
                 "{what}: layer input differs from post+pre"
             );
+        }
+    }
+}
+
+// ---- projection paths and tiles -------------------------------------------------------------------
+
+/// Tensor cores where the device has them (else the portable path), the portable path forced, and
+/// forced tiles of 1, 16, 48 and 128 tokens: each path matches the reference (bit for bit on the
+/// CPU backend), and within a path every tile gives the same bits (a token's reduction order is a
+/// function of H alone).
+fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(dev: &Device) {
+    let fx = Fx::new(dev);
+    let (hp, pp) = (HcHeadParams::default(), MhcPreParams::default());
+    let mut rng = Rng::new(11);
+    // The CPU backend's kernels are the reference whatever the path or tile: one small case.
+    let cases: &[(usize, usize)] = if is_cpu(dev) { &[(1000, 20)] } else { &[(1000, 150), (4096, 150)] };
+    for &(hidden, t) in cases {
+        let w_head = Weights::random(&mut rng, N, hidden, 1);
+        let w_pre = Weights::random(&mut rng, M, hidden, 3);
+        let residual = rng.bf16s(t * N * hidden, 1.5);
+        let inp = common::PostInputs::random(&mut rng, t, hidden);
+        let head_want =
+            reference::hc_head(&residual, &w_head.hc_fn, &w_head.scale, &w_head.base, hidden, &hp).expect("reference");
+        let pre_want =
+            reference::pre(&residual, &w_pre.hc_fn, &w_pre.scale, &w_pre.base, hidden, &pp).expect("reference");
+        let (fused_r_want, fused_want) = reference::fused_post_pre(
+            &inp.x,
+            &inp.residual,
+            &inp.post,
+            &inp.comb,
+            &w_pre.hc_fn,
+            &w_pre.scale,
+            &w_pre.base,
+            hidden,
+            &pp,
+        )
+        .expect("reference");
+        let pre_f64 = common::pre_f64(&residual, &w_pre, hidden, &pp);
+        let fused_f64 = common::fused_f64(&inp, &w_pre, hidden, &pp).1;
+        for projection in [MhcProjection::Auto, MhcProjection::Portable] {
+            let base = fx.ops(hidden, t).with_projection(projection);
+            let tc = projection == MhcProjection::Auto && dev.info().has_bf16_mma();
+            assert_eq!(base.uses_tensor_cores(), tc, "{projection:?} on {}", dev.info().arch);
+            let mut first: Option<Vec<u32>> = None;
+            for tile in [None, Some(1), Some(16), Some(48), Some(128)] {
+                let what = format!("H={hidden} T={t} {projection:?} tile {tile:?}");
+                let ops = fx.ops(hidden, t).with_projection(projection).with_tile_tokens(tile).expect("tile");
+                let head = HeadBufs::new(&fx, &residual, &w_head, hidden);
+                head.run(&fx, &ops, &hp).expect("hc_head");
+                let head_got = fx.read(&head.out.view());
+                check_bf16(dev, &format!("hc_head {what}"), &head_got, &head_want);
+                let pre = PreBufs::new(&fx, &residual, &w_pre, hidden);
+                pre.run(&fx, &ops, &pp).expect("pre");
+                let pre_got = pre.outputs(&fx);
+                check_pre(dev, &format!("mhc_pre {what}"), &pre_got, &pre_want, &pre_f64);
+                let post = PostBufs::new(&fx, &inp);
+                let fused = PreBufs::new(&fx, &vec![bf16::ZERO; t * N * hidden], &w_pre, hidden);
+                post.run_fused(&fx, &ops, &fused, &pp).expect("fused");
+                let fused_got = fused.outputs(&fx);
+                check_bf16(dev, &format!("fused residual_out {what}"), &fx.read(&post.out.view()), &fused_r_want);
+                check_pre(dev, &format!("fused {what}"), &fused_got, &fused_want, &fused_f64);
+                let wide = |v: Vec<u16>| v.into_iter().map(u32::from).collect::<Vec<u32>>();
+                let bits = [
+                    wide(bits_bf16(&head_got)),
+                    bits_f32(&pre_got.post),
+                    bits_f32(&pre_got.comb),
+                    wide(bits_bf16(&pre_got.layer_input)),
+                    bits_f32(&fused_got.post),
+                    bits_f32(&fused_got.comb),
+                    wide(bits_bf16(&fused_got.layer_input)),
+                ]
+                .concat();
+                match &first {
+                    None => first = Some(bits),
+                    Some(f) => assert!(*f == bits, "{what}: bits differ from the plan's own tile"),
+                }
+            }
         }
     }
 }
@@ -765,4 +845,5 @@ holdfast_hal::device_suite!(
     in_place_post_and_fused_equal_out_of_place,
     unaligned_views_give_the_same_bits,
     misuse_is_a_precise_error_and_launches_nothing,
+    both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits,
 );
