@@ -1,8 +1,12 @@
 // mHC kernels for hc_mult = 4: hc_head, mhc_pre, mhc_fused_post_pre (split reductions) and mhc_post
-// (elementwise). The CPU references in reference.rs define the numbers; every summation order,
-// fused multiply-add and rounding below has its twin there, so keep the two in step.
+// (elementwise). The CPU references in reference.rs define the numbers. The portable projection
+// below and everything else (finish items, mhc_post) twin them operation for operation: every
+// summation order, fused multiply-add and rounding has its twin there, so keep the two in step.
+// The tensor-core projection (NVIDIA sm_80+, further down) has its own fixed order and matches the
+// references within rounding; it too depends on H only.
 //
-// Reduction structure (fixed; it depends on H only, never on T or on the launch shape):
+// Reduction structure of the portable projection (fixed; it depends on H only, never on T or on
+// the launch shape):
 //   h is cut into quads of 4; split s owns quads [64 s, 64 s + 64), so S = ceil(H / 256). Within a
 //   split, lane k of SUB owns quads 64 s + k + SUB r for r = 0 .. 64 / SUB and accumulates, quad by
 //   quad (r), stream by stream (i) and element by element, fmaf(x, x, ss) and fmaf(x, fn[j], dot_j)
@@ -11,8 +15,9 @@
 //   8 for mhc_pre / mhc_fused_post_pre, whose 24 weight rows are shared by the 4 tokens of a warp
 //   slot (8 lanes x 16 bytes = one 128-byte line of fn per load instruction).
 //
-// Work items (one per block, claimed from a ticket counter so that a block only ever waits for
-// items claimed before its own): a projection item (tile of tokens, split) writes partials; a
+// Work items of the portable path (one per block, claimed from a ticket counter so that a block
+// only ever waits for items claimed before its own; the resident items further down are the
+// tensor-core path's): a projection item (tile of tokens, split) writes partials; a
 // finish item (tile, group of tokens) waits until all S projection items of its tile arrived, sums
 // the partials, computes the gates (and Sinkhorn) and writes the outputs. Items are ordered
 // A(0) A(1) F(0) A(2) F(1) ... F(Q-1), so a finish item rarely waits. Counters live in `sync`:
@@ -447,24 +452,23 @@ __device__ void mhc_project(const hf_bf16* __restrict__ residual, const hf_bf16*
 #if defined(HF_HAS_MMA)
 // ---- tensor-core projection (NVIDIA sm_80+) -------------------------------------------------------
 //
-// The same items, partials and finish as above; only the projection item differs. Warp w of the
-// block owns h [256 split + 32 w, + 32) of all four streams, lane (g = lane / 4, q = lane % 4) the
-// 8 h at 256 split + 32 w + 8 q, so a warp's k-range is 4 streams x 32 h = 128 k, read as 16-byte
-// pieces. fn is split into bf16 hi = bf16(fn) and lo = bf16(fn - hi) (fn = hi + lo to about 2^-17)
-// and held in registers as mma B fragments for the warp's k-range, for the whole item. Tokens go
-// through in m-tiles of 16 (rows g and g + 8 per lane): the pieces are copied global -> shared with
-// cp.async into a per-lane slot (only the lane that copies a piece reads it: no barrier), MHC_ST_*
-// m-tiles in flight, and each m-tile costs, per stream, two m16n8k16 mma for hi and two for lo per
-// 8 outputs (the lane's 8 h form two k16 halves: a k permutation applied alike to A and B). x^2 is
+// Used by the resident items below (not by the items above). Warp w of the block owns h
+// [256 split + 32 w, + 32) of all four streams, lane (g = lane / 4, q = lane % 4) the 8 h at
+// 256 split + 32 w + 8 q, so a warp's k-range is 4 streams x 32 h = 128 k, read as 16-byte pieces.
+// fn is split into bf16 hi = bf16(fn) and lo = bf16(fn - hi) (fn = hi + lo to about 2^-17) and held
+// in registers as mma B fragments for the warp's k-range, for the whole item. Tokens go through in
+// m-tiles of 16 (rows g and g + 8 per lane): the pieces are copied global -> shared with cp.async
+// into a per-lane slot (only the lane that copies a piece reads it: no barrier), MHC_ST_* - 1
+// m-tiles ahead, and each m-tile costs, per stream, two m16n8k16 mma for hi and two for lo per 8
+// outputs (the lane's 8 h form two k16 halves: a k permutation applied alike to A and B). x^2 is
 // summed from the same pieces with fmaf (stream by stream, element by element), then over the 4
 // lanes of a row (xor 1, 2). The 8 warps' results per (token, value) are summed in warp order
 // through shared memory, giving the (token, split) partial. Nothing depends on the token count or
 // the tile: a row's partials are a function of its own data and H.
 //
-// Dynamic shared memory: MHC_ST_* stages of 8 warps x PC pieces x 2 rows x 32 lanes x 16 bytes
-// (PC = 4 streams, + x for the fused op), then two [8 warps][16 rows][V] f32 reduction buffers. The
-// host passes exactly that (plan.rs `mma_shared_bytes`); a launch with less runs the portable
-// projection above instead.
+// Dynamic shared memory: one stage per m-tile of the item (8 warps x PC pieces x 2 rows x 32 lanes
+// x 16 bytes; PC = 4 streams, + x for the fused op), then two [8 warps][16 rows][V] f32 reduction
+// buffers (plan.rs `resident_shared_bytes`).
 #define MHC_MMA_WARPS (MHC_THREADS / 32)
 #ifndef MHC_TUNE
 #define MHC_ST_HEAD 3
@@ -504,6 +508,10 @@ __device__ __forceinline__ mhc_u32x4 mhc_lds16(uint32_t a) {
     return u;
 }
 
+__device__ __forceinline__ void mhc_sts16(uint32_t a, mhc_u32x4 u) {
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w) : "memory");
+}
+
 // Copies the pieces of m-tile tokens [tm, tm + 16) for this lane: piece p = 2 c + rr is stream c
 // (c = 4: x, fused only) of token tm + g + 8 rr, at slot + 512 p.
 template <int PC>
@@ -524,17 +532,19 @@ __device__ __forceinline__ void mhc_mma_issue(bool vec, uint32_t slot, const hf_
 
 // `vec`: 16-byte copies and loads (H % 8 == 0, aligned pointers), else element loads; the same
 // values either way, so the same bits.
+// Every m-tile keeps its own stage (`stages` of them): the item's pieces stay in shared memory for
+// its outputs, the fused op's replaced by the post-mixed streams. ST - 1 m-tiles are in flight.
 template <int J, int ST, bool FUSED>
 __device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
                                 const float* __restrict__ post_in, const float* __restrict__ comb_in,
                                 const float* __restrict__ fn, float* __restrict__ partials, uint32_t H, uint32_t S,
-                                uint32_t split, uint32_t t_begin, uint32_t t_end) {
+                                uint32_t split, uint32_t t_begin, uint32_t t_end, uint32_t stages) {
     constexpr int V = J + 1;
     constexpr int NT = (J + 7) / 8;
     constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;
     using Smem = MhcMmaSmem<ST, PC, V>;
     extern __shared__ __align__(16) unsigned char mhc_dyn[];
-    float* red = reinterpret_cast<float*>(mhc_dyn + ST * Smem::stage_bytes);  // [2][8][16][V]
+    float* red = reinterpret_cast<float*>(mhc_dyn + stages * Smem::stage_bytes);  // [2][8][16][V]
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
     const uint32_t h0 = split * MHC_SPLIT_H + warp * 32 + q * 8;
     const uint32_t D = MHC_N * H;
@@ -575,11 +585,13 @@ __device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, 
     for (uint32_t m = 0; m < M; ++m) {
         {
             const uint32_t nm = m + ST - 1;
-            if (nm < M) mhc_mma_issue<PC>(vec, slot + (nm % ST) * Smem::stage_bytes, residual, x_in, H, t_begin + 16 * nm, t_end, g, h0);
+            if (nm < M)
+                mhc_mma_issue<PC>(vec, slot + nm * Smem::stage_bytes, residual, x_in, H,
+                                  t_begin + 16 * nm, t_end, g, h0);
             hf_cp_async_commit();
         }
         hf_cp_async_wait<ST - 1>();
-        const uint32_t base = slot + (m % ST) * Smem::stage_bytes;
+        const uint32_t base = slot + m * Smem::stage_bytes;
         const uint32_t tm = t_begin + 16 * m;
         mhc_u32x4 p[MHC_N][2];
 #pragma unroll
@@ -599,7 +611,10 @@ __device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, 
                     for (int c = 0; c < MHC_N; ++c) ru[c] = p[c][rr];
                     mhc_post_mix(mhc_lds16(base + 512u * (2 * MHC_N + rr)), ru, coef, mixed);
 #pragma unroll
-                    for (int c = 0; c < MHC_N; ++c) p[c][rr] = mixed[c];
+                    for (int c = 0; c < MHC_N; ++c) {
+                        p[c][rr] = mixed[c];
+                        mhc_sts16(base + 512u * (2 * c + rr), mixed[c]);
+                    }
                 }
             }
         }
@@ -691,26 +706,40 @@ __device__ __forceinline__ float mhc_rms_factor(float ss, uint32_t D, float eps)
     return 1.0f / sqrtf(ss / (float)D + eps);
 }
 
+struct MhcPreArgs {
+    const hf_bf16* x_in;      // fused only: sublayer output [T, H]
+    const hf_bf16* residual;  // [T, n, H]
+    const float* post_in;     // fused only: [T, n]
+    const float* comb_in;     // fused only: [T, n, n]
+    const float* fn;          // [n (n + 2), n H]
+    const float* scale;       // [3]
+    const float* base;        // [n (n + 2)]
+    hf_bf16* residual_out;    // fused only: [T, n, H]
+    float* post_out;          // [T, n]
+    float* comb_out;          // [T, n, n]
+    hf_bf16* layer_input;     // [T, H]
+    float* partials;
+    uint32_t* sync;
+    uint32_t T, H, iters, tile_tokens, finish_tokens;
+    float rms_eps, pre_eps, sinkhorn_eps, post_mult;
+};
+
 // ---- hc_head -----------------------------------------------------------------------------------
 
-template <bool VEC>
-__device__ void mhc_head_finish(const hf_bf16* __restrict__ residual, const float* __restrict__ scale,
-                                const float* __restrict__ base, hf_bf16* __restrict__ out,
-                                const float* partials, uint32_t H, uint32_t S, uint32_t t0, uint32_t count,
-                                float rms_eps, float hc_eps) {
-    __shared__ float s_sum[MHC_FINISH_MAX][32];
-    __shared__ float s_gate[MHC_FINISH_MAX][MHC_N];
-    mhc_split_sums<MHC_N + 1>(partials, S, t0, count, s_sum);
-    if (threadIdx.x < count * MHC_N) {
-        const uint32_t u = threadIdx.x / MHC_N, i = threadIdx.x % MHC_N;
-        const float r = mhc_rms_factor(s_sum[u][0], MHC_N * H, rms_eps);
-        s_gate[u][i] = mhc_sigmoid(fmaf(s_sum[u][1 + i] * r, scale[0], base[i])) + hc_eps;
-    }
-    __syncthreads();
+// out[t] = sum_i gate[t][i] rows_i[t] for tokens [t0, t0 + count) (FUSED: rows = the post-mix of
+// (x_in, residual) by coef, also stored to residual_out; else rows = residual), every chunk of h,
+// MHC_FINISH_UNROLL chunks per thread in flight (all their loads go out before any store).
+template <bool VEC, bool FUSED>
+__device__ __forceinline__ void mhc_weighted_rows(const hf_bf16* residual,  // may be residual_out
+                                                  const hf_bf16* __restrict__ x_in,
+                                                  const float (*coef)[MHC_N + MHC_N * MHC_N],
+                                                  hf_bf16* residual_out, const float (*gate)[MHC_N],
+                                                  hf_bf16* __restrict__ out, uint32_t H, uint32_t t0,
+                                                  uint32_t count) {
     const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK, total = count * HC;
-    // MHC_FINISH_UNROLL chunks per thread in flight: all their loads go out before any store.
+    constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;  // the streams, then x (fused)
     for (uint32_t i0 = threadIdx.x; i0 < total; i0 += MHC_THREADS * MHC_FINISH_UNROLL) {
-        mhc_u32x4 src[MHC_FINISH_UNROLL][MHC_N];
+        mhc_u32x4 src[MHC_FINISH_UNROLL][PC];
 #pragma unroll
         for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
             const uint32_t idx = i0 + k * MHC_THREADS;
@@ -719,26 +748,60 @@ __device__ void mhc_head_finish(const hf_bf16* __restrict__ residual, const floa
                 const uint32_t h0 = (idx % HC) * MHC_CHUNK;
 #pragma unroll
                 for (int i = 0; i < MHC_N; ++i) src[k][i] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
+                if (FUSED) src[k][PC - 1] = mhc_load8<VEC>(x_in + t * H, h0, H);
             }
         }
 #pragma unroll
         for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
             const uint32_t idx = i0 + k * MHC_THREADS;
-            if (idx < total) {
-                const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
-                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (idx >= total) continue;
+            const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
+            const uint64_t t = t0 + u;
+            mhc_u32x4 rows[MHC_N];
 #pragma unroll
-                for (int i = 0; i < MHC_N; ++i) {
-                    float v[8];
-                    mhc_unpack(src[k][i], v);
-                    const float g = s_gate[u][i];
+            for (int i = 0; i < MHC_N; ++i) rows[i] = src[k][i];
+            if (FUSED) {
+                mhc_post_mix(src[k][PC - 1], src[k], coef[u], rows);
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(g, v[e], acc[e]);
-                }
-                mhc_store8<VEC>(out + (uint64_t)(t0 + u) * H, h0, H, mhc_repack(acc));
+                for (int i = 0; i < MHC_N; ++i) mhc_store8<VEC>(residual_out + (t * MHC_N + i) * H, h0, H, rows[i]);
             }
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int i = 0; i < MHC_N; ++i) {
+                float v[8];
+                mhc_unpack(rows[i], v);
+                const float p = gate[u][i];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, v[e], acc[e]);
+            }
+            mhc_store8<VEC>(out + t * H, h0, H, mhc_repack(acc));
         }
     }
+}
+
+// The gates of tokens [t0, t0 + count) into s_gate (then a barrier).
+__device__ __forceinline__ void mhc_head_gates(const float* __restrict__ scale, const float* __restrict__ base,
+                                               const float* partials, uint32_t H, uint32_t S, uint32_t t0,
+                                               uint32_t count, float rms_eps, float hc_eps,
+                                               float (*s_gate)[MHC_N]) {
+    __shared__ float s_sum[MHC_FINISH_MAX][32];
+    mhc_split_sums<MHC_N + 1>(partials, S, t0, count, s_sum);
+    if (threadIdx.x < count * MHC_N) {
+        const uint32_t u = threadIdx.x / MHC_N, i = threadIdx.x % MHC_N;
+        const float r = mhc_rms_factor(s_sum[u][0], MHC_N * H, rms_eps);
+        s_gate[u][i] = mhc_sigmoid(fmaf(s_sum[u][1 + i] * r, scale[0], base[i])) + hc_eps;
+    }
+    __syncthreads();
+}
+
+template <bool VEC>
+__device__ void mhc_head_finish(const hf_bf16* __restrict__ residual, const float* __restrict__ scale,
+                                const float* __restrict__ base, hf_bf16* __restrict__ out,
+                                const float* partials, uint32_t H, uint32_t S, uint32_t t0, uint32_t count,
+                                float rms_eps, float hc_eps) {
+    __shared__ float s_gate[MHC_FINISH_MAX][MHC_N];
+    mhc_head_gates(scale, base, partials, H, S, t0, count, rms_eps, hc_eps, s_gate);
+    mhc_weighted_rows<VEC, false>(residual, nullptr, nullptr, nullptr, s_gate, out, H, t0, count);
 }
 
 template <bool VEC>
@@ -764,61 +827,16 @@ __device__ void mhc_head_body(const hf_bf16* residual, const float* fn, const fl
     mhc_depart(sync, it.tile, F);
 }
 
-// out [T, H] = sum_i g_i residual[t, i, :], g = sigmoid(rms(x) (x . fn^T) scale + base) + hc_eps.
-HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
-    const hf_bf16* residual, const float* fn, const float* scale, const float* base, hf_bf16* out, float* partials,
-    uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens) {
-    const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
-    const uint32_t Q = (T + tile_tokens - 1) / tile_tokens;
-    const uint32_t F = (tile_tokens + finish_tokens - 1) / finish_tokens;
-    if (T == 0 || finish_tokens > MHC_FINISH_MAX || gridDim.x != Q * (S + F)) return;  // host bug: never hang
-    const uint32_t ticket = mhc_claim(sync);
-    const bool vec = (H % MHC_CHUNK == 0) && mhc_aligned16(residual) && mhc_aligned16(fn) && mhc_aligned16(out);
-#if defined(HF_HAS_MMA)
-    if (mhc_dynamic_smem() >= MhcMmaSmem<MHC_ST_HEAD, MHC_N, MHC_N + 1>::bytes) {
-        const MhcItem it = mhc_item(ticket, S, F, Q);
-        if (it.project) {
-            const uint32_t t_begin = it.tile * tile_tokens;
-            mhc_project_mma<MHC_N, MHC_ST_HEAD, false>(vec, residual, nullptr, nullptr, nullptr, fn, partials, H, S,
-                                                       it.index, t_begin, min(T, t_begin + tile_tokens));
-            mhc_arrive(sync, it.tile);
-            return;
-        }
-    }
-#endif
-    if (vec)
-        mhc_head_body<true>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
-                            finish_tokens, ticket);
-    else
-        mhc_head_body<false>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
-                             finish_tokens, ticket);
-}
 
 // ---- mhc_pre and mhc_fused_post_pre --------------------------------------------------------------
 
-struct MhcPreArgs {
-    const hf_bf16* x_in;      // fused only: sublayer output [T, H]
-    const hf_bf16* residual;  // [T, n, H]
-    const float* post_in;     // fused only: [T, n]
-    const float* comb_in;     // fused only: [T, n, n]
-    const float* fn;          // [n (n + 2), n H]
-    const float* scale;       // [3]
-    const float* base;        // [n (n + 2)]
-    hf_bf16* residual_out;    // fused only: [T, n, H]
-    float* post_out;          // [T, n]
-    float* comb_out;          // [T, n, n]
-    hf_bf16* layer_input;     // [T, H]
-    float* partials;
-    uint32_t* sync;
-    uint32_t T, H, iters, tile_tokens, finish_tokens;
-    float rms_eps, pre_eps, sinkhorn_eps, post_mult;
-};
 
-template <bool VEC, bool FUSED>
-__device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uint32_t count) {
+// post and comb of tokens [t0, t0 + count) into the outputs and their pre gates into s_pre (then a
+// barrier).
+__device__ __forceinline__ void mhc_pre_gates(const MhcPreArgs& a, uint32_t S, uint32_t t0, uint32_t count,
+                                              float (*s_pre)[MHC_N]) {
     constexpr int J = MHC_N * (MHC_N + 2);
     __shared__ float s_sum[MHC_FINISH_MAX][32];
-    __shared__ float s_pre[MHC_FINISH_MAX][MHC_N];
     mhc_split_sums<J + 1>(a.partials, S, t0, count, s_sum);
     {
         // 16 lanes per token: lane l holds comb element (l / 4, l % 4); lanes 0..3 also pre and post.
@@ -840,6 +858,13 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
             }
         }
     }
+    __syncthreads();
+}
+
+template <bool VEC, bool FUSED>
+__device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uint32_t count) {
+    __shared__ float s_pre[MHC_FINISH_MAX][MHC_N];
+    mhc_pre_gates(a, S, t0, count, s_pre);
     __shared__ float s_coef[MHC_FINISH_MAX][MHC_N + MHC_N * MHC_N];
     if (FUSED) {
         for (uint32_t idx = threadIdx.x; idx < count * (MHC_N + MHC_N * MHC_N); idx += MHC_THREADS) {
@@ -849,48 +874,126 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
         }
     }
     __syncthreads();
-    const uint32_t H = a.H, HC = (H + MHC_CHUNK - 1) / MHC_CHUNK, total = count * HC;
-    constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;  // the streams, then x (fused)
-    for (uint32_t i0 = threadIdx.x; i0 < total; i0 += MHC_THREADS * MHC_FINISH_UNROLL) {
-        mhc_u32x4 src[MHC_FINISH_UNROLL][PC];
+    mhc_weighted_rows<VEC, FUSED>(a.residual, a.x_in, s_coef, a.residual_out, s_pre, a.layer_input, a.H, t0, count);
+}
+
+#if defined(HF_HAS_MMA)
+// ---- resident items (tensor cores): no finish items, no second read of the residual -------------
+//
+// Selected by finish_tokens = 0. Item (tile q, split s) = ticket q S + s; grid = tiles x S. The item
+// projects its tile's tokens over its split with every m-tile's pieces kept in shared memory, so
+// after the tile's gates are known it writes its own 256 h of the outputs from there. Two barriers
+// among the tile's S items (spin on counters 1 + 2q and 2 + 2q): (1) all partials are written; then
+// item s sums the partials of its share of the tile's tokens (ceil(tile / S) <= 16 of them), writes
+// post and comb (mhc_pre) and leaves the stream gates in partials[t][0][1 .. 4]; (2) all gates are
+// written. The items of a tile hold consecutive tickets and tickets are claimed by resident blocks,
+// so a tile's items can all be resident as long as the device holds S blocks at once (the host
+// takes this path only where it holds at least 2 S). The last item to leave resets both counters.
+// Outputs use the finish items' arithmetic, so the bits equal the ring path's.
+#define MHC_RES_TILE_MAX 128
+
+template <int J, bool FUSED>
+__device__ __forceinline__ bool mhc_resident_launch_ok(uint32_t T, uint32_t S, uint32_t tile) {
+    using Smem = MhcMmaSmem<1, FUSED ? MHC_N + 1 : MHC_N, J + 1>;
+    const uint32_t need = ((tile + 15) / 16) * Smem::stage_bytes + (Smem::bytes - Smem::stage_bytes);
+    const uint32_t Q = (T + tile - 1) / tile;
+    return tile <= MHC_RES_TILE_MAX && tile <= 16 * S && gridDim.x == Q * S && mhc_dynamic_smem() >= need;
+}
+
+template <int J, bool FUSED>
+__device__ void mhc_resident_item(const MhcPreArgs& a, bool vec, uint32_t ticket) {
+    constexpr int V = J + 1;
+    constexpr bool HEAD = J == MHC_N;
+    using Smem = MhcMmaSmem<1, FUSED ? MHC_N + 1 : MHC_N, V>;
+    const uint32_t H = a.H, S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
+    const uint32_t q = ticket / S, split = ticket % S;
+    const uint32_t t_begin = q * a.tile_tokens, t_end = min(a.T, t_begin + a.tile_tokens);
+    const uint32_t count = t_end - t_begin, M = (count + 15) / 16;
+    mhc_project_mma<J, HEAD ? MHC_ST_HEAD : (FUSED ? MHC_ST_FUSED : MHC_ST_PRE), FUSED>(
+        vec, a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, H, S, split, t_begin, t_end,
+        (a.tile_tokens + 15) / 16);
+    mhc_arrive(a.sync, q);
+    mhc_wait(a.sync, q, S);
+
+    // (1) this item's share of the gates.
+    const uint32_t per = (count + S - 1) / S;
+    const uint32_t g0 = t_begin + split * per;
+    const uint32_t gc = g0 < t_end ? min(per, t_end - g0) : 0u;
+    __shared__ float s_g[MHC_FINISH_MAX][MHC_N];
+    if (HEAD)
+        mhc_head_gates(a.scale, a.base, a.partials, H, S, g0, gc, a.rms_eps, a.pre_eps, s_g);
+    else
+        mhc_pre_gates(a, S, g0, gc, s_g);
+    if (threadIdx.x < gc * MHC_N) {
+        const uint32_t u = threadIdx.x / MHC_N, i = threadIdx.x % MHC_N;
+        a.partials[(uint64_t)(g0 + u) * S * V + 1 + i] = s_g[u][i];
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        atomicAdd(&a.sync[2 + 2 * q], 1u);
+        volatile uint32_t* done = a.sync + 2 + 2 * q;
+        while (*done < S) {
+        }
+        __threadfence();
+    }
+    __syncthreads();
+
+    // (2) the tile's gates, then this item's 256 h of every output from the resident pieces.
+    __shared__ float s_tile[MHC_RES_TILE_MAX][MHC_N];
+    for (uint32_t idx = threadIdx.x; idx < count * MHC_N; idx += MHC_THREADS) {
+        const uint32_t u = idx / MHC_N, i = idx % MHC_N;
+        const volatile float* p = a.partials + (uint64_t)(t_begin + u) * S * V + 1 + i;
+        s_tile[u][i] = *p;
+    }
+    __syncthreads();
+    extern __shared__ __align__(16) unsigned char mhc_dyn[];
+    const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, qd = lane % 4;
+    const uint32_t h0 = split * MHC_SPLIT_H + warp * 32 + qd * 8;
+    const uint32_t slot = hf_smem_addr(mhc_dyn) + warp * Smem::warp_bytes + lane * 16;
+    if (h0 < H) {
+        for (uint32_t m = 0; m < M; ++m) {
+            const uint32_t base = slot + m * Smem::stage_bytes;
 #pragma unroll
-        for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
-            const uint32_t idx = i0 + k * MHC_THREADS;
-            if (idx < total) {
-                const uint64_t t = t0 + idx / HC;
-                const uint32_t h0 = (idx % HC) * MHC_CHUNK;
+            for (int rr = 0; rr < 2; ++rr) {
+                const uint32_t u = 16 * m + g + 8 * rr;
+                if (u >= count) continue;
+                const uint64_t t = t_begin + u;
+                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-                for (int i = 0; i < MHC_N; ++i) src[k][i] = mhc_load8<VEC>(a.residual + (t * MHC_N + i) * H, h0, H);
-                if (FUSED) src[k][PC - 1] = mhc_load8<VEC>(a.x_in + t * H, h0, H);
+                for (int i = 0; i < MHC_N; ++i) {
+                    const mhc_u32x4 piece = mhc_lds16(base + 512u * (2 * i + rr));
+                    if (FUSED) {
+                        hf_bf16* row = a.residual_out + (t * MHC_N + i) * H;
+                        if (vec)
+                            mhc_store8<true>(row, h0, H, piece);
+                        else
+                            mhc_store8<false>(row, h0, H, piece);
+                    }
+                    float v[8];
+                    mhc_unpack(piece, v);
+                    const float gi = s_tile[u][i];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(gi, v[e], acc[e]);
+                }
+                if (vec)
+                    mhc_store8<true>(a.layer_input + t * H, h0, H, mhc_repack(acc));
+                else
+                    mhc_store8<false>(a.layer_input + t * H, h0, H, mhc_repack(acc));
             }
         }
-#pragma unroll
-        for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
-            const uint32_t idx = i0 + k * MHC_THREADS;
-            if (idx >= total) continue;
-            const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
-            const uint64_t t = t0 + u;
-            mhc_u32x4 rows[MHC_N];
-#pragma unroll
-            for (int i = 0; i < MHC_N; ++i) rows[i] = src[k][i];
-            if (FUSED) {
-                mhc_post_mix(src[k][PC - 1], src[k], s_coef[u], rows);
-#pragma unroll
-                for (int i = 0; i < MHC_N; ++i) mhc_store8<VEC>(a.residual_out + (t * MHC_N + i) * H, h0, H, rows[i]);
-            }
-            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-            for (int i = 0; i < MHC_N; ++i) {
-                float v[8];
-                mhc_unpack(rows[i], v);
-                const float p = s_pre[u][i];
-#pragma unroll
-                for (int e = 0; e < 8; ++e) acc[e] = fmaf(p, v[e], acc[e]);
-            }
-            mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
+    }
+    // Leave: the tile's last item resets both counters for the next launch.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t d = atomicAdd(&a.sync[1 + 2 * q], 1u);
+        if (d == 2 * S - 1) {
+            atomicExch(&a.sync[1 + 2 * q], 0u);
+            atomicExch(&a.sync[2 + 2 * q], 0u);
         }
     }
 }
+#endif
 
 template <bool VEC, bool FUSED>
 __device__ void mhc_pre_body(const MhcPreArgs& a, uint32_t ticket) {
@@ -918,30 +1021,57 @@ __device__ void mhc_pre_body(const MhcPreArgs& a, uint32_t ticket) {
 template <bool FUSED>
 __device__ __forceinline__ void mhc_pre_entry(const MhcPreArgs& a) {
     const uint32_t S = (a.H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
+    if (a.T == 0 || a.tile_tokens == 0) return;  // host bug: never hang
     const uint32_t Q = (a.T + a.tile_tokens - 1) / a.tile_tokens;
-    const uint32_t F = (a.tile_tokens + a.finish_tokens - 1) / a.finish_tokens;
-    if (a.T == 0 || a.finish_tokens > MHC_FINISH_MAX || gridDim.x != Q * (S + F)) return;  // host bug: never hang
-    const uint32_t ticket = mhc_claim(a.sync);
     bool vec = (a.H % MHC_CHUNK == 0) && mhc_aligned16(a.residual) && mhc_aligned16(a.fn) && mhc_aligned16(a.layer_input);
     if (FUSED) vec = vec && mhc_aligned16(a.x_in) && mhc_aligned16(a.residual_out);
 #if defined(HF_HAS_MMA)
     constexpr int J = MHC_N * (MHC_N + 2);
-    constexpr int ST = FUSED ? MHC_ST_FUSED : MHC_ST_PRE;
-    if (mhc_dynamic_smem() >= MhcMmaSmem<ST, FUSED ? MHC_N + 1 : MHC_N, J + 1>::bytes) {
-        const MhcItem it = mhc_item(ticket, S, F, Q);
-        if (it.project) {
-            const uint32_t t_begin = it.tile * a.tile_tokens;
-            mhc_project_mma<J, ST, FUSED>(vec, a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S,
-                                          it.index, t_begin, min(a.T, t_begin + a.tile_tokens));
-            mhc_arrive(a.sync, it.tile);
-            return;
-        }
+    if (a.finish_tokens == 0) {
+        if (!mhc_resident_launch_ok<J, FUSED>(a.T, S, a.tile_tokens)) return;
+        mhc_resident_item<J, FUSED>(a, vec, mhc_claim(a.sync));
+        return;
     }
 #endif
+    if (a.finish_tokens == 0 || a.finish_tokens > MHC_FINISH_MAX) return;
+    const uint32_t F = (a.tile_tokens + a.finish_tokens - 1) / a.finish_tokens;
+    if (gridDim.x != Q * (S + F)) return;
+    const uint32_t ticket = mhc_claim(a.sync);
     if (vec)
         mhc_pre_body<true, FUSED>(a, ticket);
     else
         mhc_pre_body<false, FUSED>(a, ticket);
+}
+
+// out [T, H] = sum_i g_i residual[t, i, :], g = sigmoid(rms(x) (x . fn^T) scale + base) + hc_eps.
+HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
+    const hf_bf16* residual, const float* fn, const float* scale, const float* base, hf_bf16* out, float* partials,
+    uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens) {
+    const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
+    if (T == 0 || tile_tokens == 0) return;  // host bug: never hang
+    const uint32_t Q = (T + tile_tokens - 1) / tile_tokens;
+    const bool vec = (H % MHC_CHUNK == 0) && mhc_aligned16(residual) && mhc_aligned16(fn) && mhc_aligned16(out);
+#if defined(HF_HAS_MMA)
+    if (finish_tokens == 0) {
+        if (!mhc_resident_launch_ok<MHC_N, false>(T, S, tile_tokens)) return;
+        MhcPreArgs a = {};
+        a.residual = residual; a.fn = fn; a.scale = scale; a.base = base; a.layer_input = out;
+        a.partials = partials; a.sync = sync; a.T = T; a.H = H; a.tile_tokens = tile_tokens;
+        a.rms_eps = rms_eps; a.pre_eps = hc_eps;
+        mhc_resident_item<MHC_N, false>(a, vec, mhc_claim(sync));
+        return;
+    }
+#endif
+    if (finish_tokens == 0 || finish_tokens > MHC_FINISH_MAX) return;
+    const uint32_t F = (tile_tokens + finish_tokens - 1) / finish_tokens;
+    if (gridDim.x != Q * (S + F)) return;
+    const uint32_t ticket = mhc_claim(sync);
+    if (vec)
+        mhc_head_body<true>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
+                            finish_tokens, ticket);
+    else
+        mhc_head_body<false>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
+                             finish_tokens, ticket);
 }
 
 // (post [T, n], comb [T, n, n], layer_input [T, H]) = mhc_pre(residual [T, n, H]).

@@ -9,47 +9,68 @@
 //!
 //! ## Who defines the numbers
 //! [`reference`](mod@reference) is the definition (DESIGN.md 3.3): plain Rust over slices that the CPU backend
-//! runs in place of the kernels, and that the device kernels (`src/kernels.cu`, one source for
-//! CUDA and HIP) follow operation for operation: the same partition of each token's `n·H` row,
-//! the same per-lane fma order, the same xor-tree lane sums and split order, explicit fmas where
-//! the reference has them (so the compiler's contraction changes nothing), and correctly rounded
-//! division and square root (no `rsqrtf`). A GPU result differs from the reference only where the
-//! device `expf` does, a few ulp in a gate.
+//! runs in place of the kernels. The device kernels (`src/kernels.cu`, one source for CUDA and
+//! HIP) follow it operation for operation on the portable path ([`MhcProjection::Portable`]):
+//! the same partition of each token's `n·H` row, the same per-lane fma order, the same xor-tree
+//! lane sums and split order, explicit fmas where the reference has them (so the compiler's
+//! contraction changes nothing), and correctly rounded division and square root (no `rsqrtf`).
+//! There a GPU result differs from the reference only where the device `expf` does, a few ulp in
+//! a gate. On NVIDIA sm_80+ the default ([`MhcProjection::Auto`]) runs the projection on tensor
+//! cores instead: its own fixed order, within rounding of the reference (below); everything after
+//! the projection is the same code on both paths.
 //!
 //! ## Precision policy
 //! - bf16 storage, f32 arithmetic; every bf16 input converts exactly; outputs round to nearest
 //!   even once.
-//! - The projection `x · fnᵀ` is an f32 fma reduction on the CUDA cores: no TF32 (vLLM's CUDA
-//!   path uses a TF32 GEMM), no bf16 rounding of `x̂` (its Triton `hc_head` does that). The RMS
-//!   factor is applied after the projection, `mix = (x · fnᵀ) · rsqrt(Σx²/D + eps)`, as in §6.2
-//!   and vLLM's fused kernels; this equals projecting the normalised input up to rounding.
+//! - The projection `x · fnᵀ`: on the portable path an f32 fma reduction on the CUDA cores; on
+//!   tensor cores, bf16 `mma.sync` with f32 accumulation, `x` exact (it is bf16) and each f32
+//!   weight split into `hi = bf16(w)` and `lo = bf16(w − hi)`, so the products carry the weight
+//!   to about 2⁻¹⁷ relative — no TF32 (2⁻¹¹; vLLM's CUDA path uses a TF32 GEMM), no bf16
+//!   rounding of `x̂` (its Triton `hc_head` does that). Σx² is an f32 fma sum on both paths. The
+//!   RMS factor is applied after the projection, `mix = (x · fnᵀ) · rsqrt(Σx²/D + eps)`, as in
+//!   §6.2 and vLLM's fused kernels; this equals projecting the normalised input up to rounding.
 //! - Sinkhorn runs in f32 with IEEE division, exactly §6.2 step 4 (softmax + eps, column
 //!   normalisation, then `iters - 1` row/column pairs).
 //! - Tests hold bf16 outputs to relative L2 ≤ 1e-2 and f32 outputs to ≤ 1e-4 of an f64 evaluation
-//!   of §6, and the device to the same bounds against the reference (DESIGN.md 8).
+//!   of §6, and the device to the same bounds against the reference on both paths (DESIGN.md 8).
 //!
 //! ## Batch invariance and capture
-//! A token's reduction structure depends on `H` only (`ceil(H / 256)` splits of 64 quads of `h`,
-//! each split summed by a fixed lane tree), never on `T`, the tile sizes or the grid, and no
-//! atomics touch data: a token's
-//! outputs are the same bits whether it runs alone or among 16 K others. Launch shapes are a
+//! A token's reduction structure depends on `H` only (`ceil(H / 256)` splits of 256 `h`, each
+//! split summed in a fixed order: a lane tree on the portable path, mma fragments then warp order
+//! on tensor cores; the splits in split order), never on `T`, the tile sizes or the grid, and no
+//! atomics touch data: a
+//! token's outputs are the same bits whether it runs alone or among 16 K others, at any tile
+//! ([`MhcOps::with_tile_tokens`]). Launch shapes are a
 //! function of `T` (see [`MhcOps::launch_config`]), so a graph captured at a padded `T` replays the
-//! same launch. The split-reduction kernels claim work items from a ticket counter and a finish
-//! item waits only for items claimed before it, so they cannot deadlock; every counter is reset by
-//! its last user, so each launch leaves the workspace ready for the next, graph replays included.
+//! same launch. The split-reduction kernels claim work items from a ticket counter; a finish item
+//! waits only for items claimed before it, and a resident item only for the other items of its
+//! tile, which hold the neighbouring tickets and fit on the device together, so neither can
+//! deadlock. Every counter is reset by its last user, so each launch leaves the workspace ready for
+//! the next, graph replays included.
 //!
 //! ## Kernel design (memory-bound; one launch per op)
-//! - `hc_head`, `mhc_pre`, `mhc_fused_post_pre`: blocks of 256 threads. A *projection item*
-//!   (tile of up to 128 tokens × one split of 256 `h`) accumulates Σx² and the `n` (or `n(n+2)`)
-//!   dot products per token and writes per-split partials. `hc_head` gives each token 32 lanes ×
-//!   2 quads per split (one round trip at T = 1, a register tile of 2 tokens); `mhc_pre` gives it
-//!   8 lanes × 8 quads, so the 4 tokens of a warp slot (× a register tile of 2) share every weight
-//!   load, one 128-byte line per instruction. A *finish item* (up to 16 tokens) sums the partials,
-//!   computes the gates (and the Sinkhorn, 16 lanes per token), and writes the weighted stream sum
-//!   while the residual is still in L2. Grid: `tiles · (splits + finish items per tile)`.
+//! - `hc_head`, `mhc_pre`, `mhc_fused_post_pre` on tensor cores (NVIDIA sm_80+): blocks of 256
+//!   threads, one *resident item* per (tile of up to 32 (`hc_head`) or 64 tokens, split of 256
+//!   `h`). Each warp owns 32 `h` of all 4 streams and holds its weights as mma fragments; the
+//!   tile's rows are copied into shared memory with `cp.async` (three or four m-tiles of 16 ahead)
+//!   and stay there. After two barriers among the tile's items (partials written; then each item
+//!   has turned the partials of its share of the tokens into gates, Sinkhorn included) every item
+//!   writes its own 256 `h` of the outputs from shared memory: the residual is read from memory
+//!   once. A tile's items wait for each other, so this path runs where the device holds at least
+//!   twice `ceil(H / 256)` blocks at once ([`MhcOps::uses_tensor_cores`]). 69–185 KB of dynamic
+//!   shared memory per block. Grid: `tiles · splits`.
+//! - The same ops elsewhere (portable path): a *projection item* (tile of up to 128 tokens × one
+//!   split) accumulates Σx² and the `n` (or `n(n+2)`) dot products per token and writes per-split
+//!   partials: `hc_head` gives each token 32 lanes × 2 quads per split (a register tile of 2
+//!   tokens); `mhc_pre` gives it 8 lanes × 8 quads, so the 4 tokens of a warp slot (× a register
+//!   tile of 2) share every weight load, one 128-byte line per instruction. A *finish item* (up to
+//!   16 tokens) waits for its tile's projection items, sums the partials, computes the gates (and
+//!   the Sinkhorn, 16 lanes per token), and writes the weighted stream sum, reading the residual
+//!   a second time (from L2 while it is there), four 16-byte chunks per thread in flight. Grid:
+//!   `tiles · (splits + finish items per tile)`.
 //! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.
-//! - Rows that are not 16-byte aligned or `H % 8 != 0` take a scalar path with the same
-//!   arithmetic. Shared memory stays under 48 KB (no opt-in attribute needed).
+//! - Rows that are not 16-byte aligned or `H % 8 != 0` take element loads with the same
+//!   arithmetic (the same bits).
 //!
 //! Bytes moved per op: [`MhcOp::bytes_moved`].
 

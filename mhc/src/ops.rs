@@ -127,9 +127,11 @@ impl MhcOps {
         self
     }
 
-    /// Whether the split-reduction ops run their projection on tensor cores.
+    /// Whether the split-reduction ops run on tensor cores (resident items): [`MhcProjection::Auto`]
+    /// on an sm_80+ device that holds twice the `ceil(H / 256)` blocks a tile's items need at
+    /// once (every H up to 16896 on an H200).
     pub fn uses_tensor_cores(&self) -> bool {
-        self.shape.mma
+        self.shape.mma && plan::resident_fits(self.config.hidden, self.units)
     }
 
     /// Forces the tokens per projection tile (`1..=128`; `None`: the plan's choice, a function of

@@ -28,7 +28,7 @@ pub(crate) enum Reduce {
     Fused,
 }
 
-/// Tokens of one tensor-core m-tile: tiles of the tensor-core projection are multiples of it.
+/// Tokens of one tensor-core m-tile.
 const MMA_ROWS: usize = 16;
 
 impl Reduce {
@@ -49,34 +49,53 @@ impl Reduce {
         }
     }
 
-    /// Blocks of the tensor-core kernel one multiprocessor holds (its shared memory and registers).
-    fn mma_blocks_per_unit(self) -> usize {
+    /// 16-byte pieces per lane and row of a resident m-tile: the 4 streams (+ x, fused).
+    fn pieces(self) -> usize {
+        match self {
+            Reduce::Head | Reduce::Pre => 4,
+            Reduce::Fused => 5,
+        }
+    }
+
+    /// Blocks of the resident kernel one multiprocessor holds (registers and shared memory).
+    fn resident_blocks_per_unit(self) -> usize {
         match self {
             Reduce::Head => 2,
             Reduce::Pre | Reduce::Fused => 1,
         }
     }
+
+    /// Largest resident tile: what [`Self::resident_blocks_per_unit`] blocks' shared memory holds.
+    fn resident_tile_max(self) -> usize {
+        match self {
+            Reduce::Head => 32,
+            Reduce::Pre | Reduce::Fused => 64,
+        }
+    }
 }
 
-/// Dynamic shared memory of the tensor-core projection, bytes (`MhcMmaSmem` in `kernels.cu`):
-/// `stages · 8 warps · pieces · 2 rows · 32 lanes · 16 B` plus two `[8 warps][16 rows][values]`
-/// f32 reduction buffers; 3 stages for `hc_head` (two blocks per multiprocessor), 4 otherwise.
-pub(crate) fn mma_shared_bytes(kind: Reduce) -> u32 {
-    let (stages, pieces) = match kind {
-        Reduce::Head => (3, 4),
-        Reduce::Pre => (4, 4),
-        Reduce::Fused => (4, 5),
-    };
-    let values = kind.values() as u32;
-    stages * WARPS as u32 * pieces * 2 * 32 * 16 + 2 * WARPS as u32 * MMA_ROWS as u32 * values * 4
+/// Dynamic shared memory of a resident launch with `tile` tokens per tile, bytes
+/// (`mhc_resident_launch_ok` in `kernels.cu`): one stage per m-tile of `8 warps · pieces · 2 rows
+/// · 32 lanes · 16 B`, then two `[8 warps][16 rows][values]` f32 reduction buffers.
+pub(crate) fn resident_shared_bytes(kind: Reduce, tile: usize) -> u32 {
+    let stage = WARPS * kind.pieces() * 2 * 32 * 16;
+    let red = 2 * WARPS * MMA_ROWS * kind.values() * 4;
+    (tile.div_ceil(MMA_ROWS) * stage + red) as u32
 }
 
-/// Shape of one split-reduction launch: `tiles · (splits + finish_per_tile)` blocks.
+/// Whether the resident (tensor-core) items can run for `hidden`: a tile's `S` items wait for each
+/// other, so the device must hold them all at once; it is asked to hold twice as many.
+pub(crate) fn resident_fits(hidden: usize, units: usize) -> bool {
+    2 * splits(hidden) <= units
+}
+
+/// Shape of one split-reduction launch: `tiles · (splits + finish_per_tile)` blocks, or
+/// `tiles · splits` resident items (`finish_tokens == 0`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ReducePlan {
     /// Tokens per projection tile.
     pub tile_tokens: usize,
-    /// Tokens per finish item.
+    /// Tokens per finish item; 0 selects the resident items.
     pub finish_tokens: usize,
     /// Tiles: `ceil(T / tile_tokens)` (counters needed: `1 + 2·tiles`).
     pub tiles: usize,
@@ -87,22 +106,39 @@ pub(crate) struct ReducePlan {
 /// How the projection items run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ReduceShape {
-    /// The tensor-core projection (the launch carries its dynamic shared memory).
+    /// Tensor cores (resident items where [`resident_fits`]).
     pub mma: bool,
     /// Tokens per tile forced by the caller (`1..=128`), else the plan's choice.
     pub tile_tokens: Option<usize>,
 }
 
-/// Plans a split-reduction launch for `tokens > 0`. The portable projection: enough projection
-/// items to give every multiprocessor about two (`units` of them), tiles of whole passes (8 warps
-/// × the tokens of a warp) up to 128 tokens. The tensor-core one: about one item per resident
-/// block, tiles of whole m-tiles (16 tokens) up to 128. Finish items take 16 tokens (fewer if
-/// the tile is smaller).
+/// Plans a split-reduction launch for `tokens > 0`.
+///
+/// Resident items (tensor cores, where they fit): tiles of whole m-tiles (16 tokens), at most
+/// [`Reduce::resident_tile_max`] and `16·S` (each item finishes at most 16 of its tile's tokens),
+/// sized so that the items fill the resident blocks about once. Portable: enough projection items
+/// to give every multiprocessor about two, tiles of whole passes (8 warps × the tokens of a warp)
+/// up to 128 tokens, and finish items of 16 tokens (fewer if the tile is smaller).
 pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, shape: ReduceShape) -> ReducePlan {
     let s = splits(hidden);
-    let (pass, per_unit) =
-        if shape.mma { (MMA_ROWS, kind.mma_blocks_per_unit()) } else { (WARPS * kind.tokens_per_slot(), 2) };
-    let tiles_wanted = (per_unit * units.max(1)).div_ceil(s).max(1);
+    let units = units.max(1);
+    if shape.mma && resident_fits(hidden, units) {
+        let cap = kind.resident_tile_max().min(MMA_ROWS * s).min(TILE_MAX);
+        let tile = match shape.tile_tokens {
+            Some(t) => t.clamp(1, cap),
+            None => {
+                let want = (tokens * s).div_ceil(units * kind.resident_blocks_per_unit());
+                (want.div_ceil(MMA_ROWS) * MMA_ROWS).clamp(1, cap)
+            }
+        }
+        .min(tokens.max(1));
+        let tiles = tokens.div_ceil(tile);
+        let mut config = LaunchConfig::blocks(u32::try_from(tiles * s).unwrap_or(u32::MAX), THREADS);
+        config.shared_mem_bytes = resident_shared_bytes(kind, tile);
+        return ReducePlan { tile_tokens: tile, finish_tokens: 0, tiles, config };
+    }
+    let pass = WARPS * kind.tokens_per_slot();
+    let tiles_wanted = (2 * units).div_ceil(s).max(1);
     let mut tile = match shape.tile_tokens {
         Some(t) => t.clamp(1, TILE_MAX),
         None => {
@@ -117,11 +153,12 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
     let finish = FINISH_MAX.min(tile);
     let tiles = tokens.div_ceil(tile);
     let blocks = tiles * (s + tile.div_ceil(finish));
-    let mut config = LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS);
-    if shape.mma {
-        config.shared_mem_bytes = mma_shared_bytes(kind);
+    ReducePlan {
+        tile_tokens: tile,
+        finish_tokens: finish,
+        tiles,
+        config: LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS),
     }
-    ReducePlan { tile_tokens: tile, finish_tokens: finish, tiles, config }
 }
 
 /// Shape of an `mhc_post` launch for `tokens > 0`: `(ceil(H / 8 / 128), ceil(T / per_block))`
@@ -146,7 +183,7 @@ mod tests {
     #[test]
     fn reduce_plans_cover_every_token_and_respect_the_limits() {
         for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
-            for hidden in [1, 7, 256, 300, 4096, 7168] {
+            for hidden in [1, 7, 256, 300, 1000, 4096, 7168, 40_000] {
                 for tokens in [1, 2, 3, 31, 64, 100, 1000, 1024, 4096, 16_384] {
                     for (units, mma, forced) in [
                         (1, false, None),
@@ -157,16 +194,29 @@ mod tests {
                         (132, true, Some(1000)),
                     ] {
                         let p = reduce(kind, tokens, hidden, units, ReduceShape { mma, tile_tokens: forced });
-                        assert_eq!(p.config.shared_mem_bytes, if mma { mma_shared_bytes(kind) } else { 0 });
-                        if let Some(f) = forced {
-                            assert_eq!(p.tile_tokens, f.min(TILE_MAX).min(tokens));
-                        }
+                        let s = splits(hidden);
                         assert!(p.tile_tokens >= 1 && p.tile_tokens <= TILE_MAX);
-                        assert!(p.finish_tokens >= 1 && p.finish_tokens <= FINISH_MAX.min(p.tile_tokens));
                         assert!(p.tiles * p.tile_tokens >= tokens && (p.tiles - 1) * p.tile_tokens < tokens);
-                        let f = p.tile_tokens.div_ceil(p.finish_tokens);
-                        assert_eq!(p.config.grid.0 as usize, p.tiles * (splits(hidden) + f));
                         assert_eq!(p.config.block, (THREADS, 1, 1));
+                        if mma && resident_fits(hidden, units) {
+                            assert_eq!(p.finish_tokens, 0);
+                            assert!(p.tile_tokens <= kind.resident_tile_max().min(16 * s));
+                            assert_eq!(p.config.grid.0 as usize, p.tiles * s);
+                            assert_eq!(p.config.shared_mem_bytes, resident_shared_bytes(kind, p.tile_tokens));
+                            // Each of a tile's S items finishes at most 16 of its tokens.
+                            assert!(p.tile_tokens.div_ceil(s) <= FINISH_MAX);
+                            if let Some(f) = forced {
+                                assert_eq!(p.tile_tokens, f.min(kind.resident_tile_max().min(16 * s)).min(tokens));
+                            }
+                        } else {
+                            assert!(p.finish_tokens >= 1 && p.finish_tokens <= FINISH_MAX.min(p.tile_tokens));
+                            let f = p.tile_tokens.div_ceil(p.finish_tokens);
+                            assert_eq!(p.config.grid.0 as usize, p.tiles * (s + f));
+                            assert_eq!(p.config.shared_mem_bytes, 0);
+                            if let Some(f) = forced {
+                                assert_eq!(p.tile_tokens, f.min(TILE_MAX).min(tokens));
+                            }
+                        }
                     }
                 }
             }
@@ -174,15 +224,19 @@ mod tests {
     }
 
     #[test]
-    fn tensor_core_shared_memory_fits_one_sm90_block_and_matches_the_kernel() {
-        // MhcMmaSmem<3, 4, 5>, <4, 4, 25>, <4, 5, 25> in kernels.cu.
-        assert_eq!(mma_shared_bytes(Reduce::Head), 3 * 32 * 1024 + 5 * 1024);
-        assert_eq!(mma_shared_bytes(Reduce::Pre), 4 * 32 * 1024 + 25 * 1024);
-        assert_eq!(mma_shared_bytes(Reduce::Fused), 4 * 40 * 1024 + 25 * 1024);
-        // Static shared memory of the kernels is under 8 KiB; two hc_head blocks share one SM.
-        let budget = holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK - 8 * 1024;
-        assert!(mma_shared_bytes(Reduce::Fused) <= budget);
-        assert!(2 * (mma_shared_bytes(Reduce::Head) + 8 * 1024) <= 228 * 1024);
+    fn resident_shared_memory_fits_and_matches_the_kernel() {
+        // mhc_resident_launch_ok in kernels.cu: ceil(tile / 16) stages + 1024·V bytes.
+        assert_eq!(resident_shared_bytes(Reduce::Head, 32), 2 * 32 * 1024 + 5 * 1024);
+        assert_eq!(resident_shared_bytes(Reduce::Pre, 64), 4 * 32 * 1024 + 25 * 1024);
+        assert_eq!(resident_shared_bytes(Reduce::Fused, 64), 4 * 40 * 1024 + 25 * 1024);
+        assert_eq!(resident_shared_bytes(Reduce::Pre, 1), 32 * 1024 + 25 * 1024);
+        // Static shared memory of the kernels is under 8 KiB; the largest tiles fit the blocks per
+        // multiprocessor the plan counts on (228 KiB per sm_90 multiprocessor, 1 KiB reserved each).
+        for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
+            let per = resident_shared_bytes(kind, kind.resident_tile_max()) + 8 * 1024;
+            assert!(per <= holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK);
+            assert!(kind.resident_blocks_per_unit() as u32 * (per + 1024) <= 228 * 1024);
+        }
     }
 
     #[test]
