@@ -144,6 +144,8 @@ fn decode_step_replays_equal_eager_over_fresh_batches(dev: &Device) {
             wrapping_sums(&c4a_ref(&b, &cfg, &l, &topk, k)),
         ]
         .concat();
+        // Whole random rows each step: more cells than a captured upload applies.
+        step.common.apply_bulk_table_updates(&s).expect("bulk updates");
         graph.replay(&s).expect("replay");
         let replayed = s.copy_to_host_sync(&step.sums.view()).expect("read");
         assert_eq!(replayed, want, "step {i}: replay vs reference");
