@@ -400,6 +400,61 @@ fn a_uniform_decode_step_has_one_token_per_request() {
 }
 
 #[test]
+fn table_rows_live_from_admission_to_finish_and_steps_carry_only_new_blocks() {
+    use holdfast_attention::TableKind;
+    let mut s = scheduler(cfg(2, 64, 0), 64, 64);
+    let mut common = common_for(&s);
+    let mut model = FakeModel::new(*s.kv().config());
+    // A: 6 prompt tokens, 6 new; B: 3 and 2; C waits for a row.
+    for r in [req(1, 6, 6), req(2, 3, 2), req(3, 5, 3)] {
+        s.add(r).expect("ok");
+    }
+    let st = s.schedule().expect("ok").expect("work");
+    check_step(&s, &st, &mut common);
+    assert_eq!(st.req_ids, vec![1, 2]);
+    assert_eq!(st.table_rows, vec![0, 1]);
+    assert_eq!(st.released_rows, vec![0, 1], "a fresh scheduler's first step releases every row");
+    let ups: Vec<_> = st.table_updates.iter().map(|u| (u.table, u.row, u.first_col, u.blocks.len())).collect();
+    // Whole rows on admission: A holds 2 SWA blocks (4 tokens each) and 1 main block (8 tokens).
+    assert_eq!(
+        ups,
+        vec![(TableKind::Swa, 0, 0, 2), (TableKind::Kv, 0, 0, 1), (TableKind::Swa, 1, 0, 1), (TableKind::Kv, 1, 0, 1)]
+    );
+    apply(&mut s, &st, &mut model);
+    let mut c_row = None;
+    while let Some(st) = s.schedule().expect("ok") {
+        check_step(&s, &st, &mut common);
+        for (r, &id) in st.req_ids.iter().enumerate() {
+            if id == 1 {
+                assert_eq!(st.table_rows[r], 0, "A keeps its row");
+            }
+            if id == 3 {
+                c_row = Some(st.table_rows[r]);
+            }
+        }
+        for u in st.table_updates.iter() {
+            let id = st.req_ids[st.table_rows.iter().position(|&r| r as usize == u.row).expect("a row of the step")];
+            let held = match u.table {
+                TableKind::Swa => s.kv().swa_blocks(id),
+                TableKind::Kv => s.kv().kv_blocks(id),
+            };
+            // An update holds exactly the blocks past what the row had: the newest ones.
+            assert_eq!(Some(u.blocks), held.map(|h| &h[u.first_col..]), "request {id}");
+            if id == 1 {
+                assert!(u.first_col > 0, "A's row is never written again from the start");
+            }
+        }
+        let decodes_only = st.is_uniform_decode() && !st.req_ids.contains(&3);
+        if decodes_only {
+            let grew = st.req_ids.iter().zip(&st.seq_lens).any(|(_, &l)| (l - 1) % 4 == 0 || (l - 1) % 8 == 0);
+            assert_eq!(st.table_updates.is_empty(), !grew, "decodes write a table only at a block start");
+        }
+        apply(&mut s, &st, &mut model);
+    }
+    assert_eq!(c_row, Some(1), "C is admitted on the row B gave back");
+}
+
+#[test]
 fn decodes_beyond_the_token_budget_wait_their_turn() {
     let mut s = scheduler(cfg(4, 4, 0), 64, 64);
     let mut model = FakeModel::new(*s.kv().config());

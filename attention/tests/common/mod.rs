@@ -177,6 +177,38 @@ pub fn random_rows(rng: &mut Rng, max_num_seqs: usize, n: usize) -> Vec<u32> {
     all
 }
 
+/// A decode batch whose host rows (`swa_bt` / `kv_bt`, by batch row) are the spec's tables and
+/// whose table rows are `rows`; `updates` start empty.
+pub fn decode_batch(cfg: &CommonConfig, rng: &mut Rng, seq: &[usize], rows: &[u32], pad: usize) -> Batch {
+    let (ws, wk) = (cfg.swa_table.max_blocks_per_seq, cfg.kv_table.max_blocks_per_seq);
+    let nr = seq.len();
+    let ids =
+        |rng: &mut Rng, n: usize, blocks: usize| (0..n).map(|_| 1 + rng.below(blocks as u64 - 1) as i32).collect();
+    Batch {
+        qsl: (0..=nr as i32).collect(),
+        seq_lens: seq.iter().map(|&s| s as i32).collect(),
+        positions: seq.iter().map(|&s| s as i32 - 1).collect(),
+        slots: (0..nr as i32).collect(),
+        swa_bt: ids(rng, nr * ws, cfg.swa_table.num_blocks),
+        kv_bt: ids(rng, nr * wk, cfg.kv_table.num_blocks),
+        table_rows: rows.to_vec(),
+        updates: BlockTableUpdates::new(),
+        reqs_padded: nr + pad,
+        tokens_padded: nr + pad,
+    }
+}
+
+/// Writes request `r`'s columns `from..` up to what its seq len uses, in both tables.
+pub fn push_used(cfg: &CommonConfig, b: &mut Batch, r: usize, from: [usize; 2]) {
+    for (k, (kind, t)) in [(TableKind::Swa, cfg.swa_table), (TableKind::Kv, cfg.kv_table)].into_iter().enumerate() {
+        let w = t.max_blocks_per_seq;
+        let need = (b.seq_lens[r] as usize).div_ceil(t.block_size);
+        let table = if k == 0 { &b.swa_bt } else { &b.kv_bt };
+        let blocks = table[r * w + from[k]..r * w + need].to_vec();
+        b.updates.push(kind, b.table_rows[r] as usize, from[k], &blocks);
+    }
+}
+
 /// `(valid, position, request)` of padded token `t` per §3.4 padding.
 pub fn token(b: &Batch, t: usize) -> (bool, i64, usize) {
     if t >= b.num_tokens() || b.slots[t] < 0 {
