@@ -278,19 +278,26 @@ pub struct StepLayout {
     pub max_query_len: usize,
 }
 
-struct Field {
-    name: &'static str,
-    pinned: PinnedBuffer<i32>,
-    device: Buffer<i32>,
-}
-
+// The per-step fields, packed back to back in one staging and one device buffer at offsets that
+// depend only on the padded counts: [qsl | seq | rows | pos | slot | req | updates].
 const QSL: usize = 0;
 const SEQ: usize = 1;
-const POS: usize = 2;
-const SLOT: usize = 3;
-const REQ: usize = 4;
-const ROWS: usize = 5;
+const ROWS: usize = 2;
+const POS: usize = 3;
+const SLOT: usize = 4;
+const REQ: usize = 5;
 const UPD: usize = 6;
+
+/// Element offsets of the packed fields for `rp` request rows and `tp` token rows (index 7: the
+/// end of the token fields, where the updates start).
+fn offsets(rp: usize, tp: usize) -> [usize; 7] {
+    let lens = [rp + 1, rp, rp, tp, tp, tp];
+    let mut out = [0; 7];
+    for i in 0..6 {
+        out[i + 1] = out[i] + lens[i];
+    }
+    out
+}
 
 /// Per-row host bookkeeping of the two device tables, and the per-step stamps that check
 /// distinctness in O(1) per entry.
@@ -359,7 +366,10 @@ impl TableRows {
 pub struct CommonAttentionMetadata {
     cfg: CommonConfig,
     device: Device,
-    fields: Vec<Field>,
+    /// Pinned staging of the packed per-step fields.
+    staging: PinnedBuffer<i32>,
+    /// Their device copy (`attn.common.step`), same layout.
+    step: Buffer<i32>,
     /// `[max_num_seqs + 1, max_blocks_per_seq]` per table (SWA, KV).
     tables: [Buffer<i32>; 2],
     rows: TableRows,
@@ -383,22 +393,11 @@ impl CommonAttentionMetadata {
     pub fn new(dev: &Device, cfg: CommonConfig) -> Result<Self> {
         cfg.validate()?;
         let (t, r) = (cfg.max_num_batched_tokens, cfg.max_num_seqs);
-        let sizes = [
-            ("query_start_loc", r + 1),
-            ("seq_lens", r),
-            ("positions", t),
-            ("slot_mapping", t),
-            ("token_to_req", t),
-            ("table_rows", r),
-            ("table_updates", 1 + 2 * cfg.max_table_updates),
-        ];
-        let mut fields = Vec::with_capacity(sizes.len());
-        for (name, len) in sizes {
-            let device = dev.alloc_zeroed::<i32>(&format!("attn.common.{name}"), len, true)?;
-            fields.push(Field { name, pinned: dev.alloc_pinned::<i32>(len)?, device });
-        }
-        // An upload before the first stage applies no update.
-        fields[UPD].pinned.write(0, &[0])?;
+        let len = offsets(r, t)[UPD] + 1 + 2 * cfg.max_table_updates;
+        let staging = dev.alloc_pinned::<i32>(len)?;
+        // Zeroed: an upload before the first stage applies no update.
+        staging.write(0, &vec![0; len])?;
+        let step = dev.alloc_zeroed::<i32>("attn.common.step", len, true)?;
         let tables = [
             dev.alloc_zeroed::<i32>("attn.common.swa_block_table", cfg.table_cells(TableKind::Swa), true)?,
             dev.alloc_zeroed::<i32>("attn.common.kv_block_table", cfg.table_cells(TableKind::Kv), true)?,
@@ -406,7 +405,8 @@ impl CommonAttentionMetadata {
         Ok(CommonAttentionMetadata {
             cfg,
             device: dev.clone(),
-            fields,
+            staging,
+            step,
             tables,
             rows: TableRows::new(r),
             attn: AttnKernels::new(dev)?,
@@ -475,47 +475,38 @@ impl CommonAttentionMetadata {
         let layout = self.validate(input)?;
         let StepLayout { num_reqs: nr, num_reqs_padded: rp, num_tokens: nt, num_tokens_padded: tp, .. } = layout;
         let mut scratch = std::mem::take(&mut self.scratch);
-        // Real rows straight into the staging, then the padding rows after them.
-        let put =
-            |fields: &[Field], scratch: &mut Vec<i32>, field: usize, real: &[i32], pad: i32, padded_len: usize| {
-                let pinned = &fields[field].pinned;
-                pinned.write(0, real)?;
-                scratch.clear();
-                scratch.resize(padded_len - real.len(), pad);
-                pinned.write(real.len(), scratch)
-            };
-        let f = &self.fields;
-        put(f, &mut scratch, QSL, input.query_start_loc, nt as i32, rp + 1)?;
-        put(f, &mut scratch, SEQ, input.seq_lens, 0, rp)?;
-        put(f, &mut scratch, POS, input.positions, 0, tp)?;
-        put(f, &mut scratch, SLOT, input.slot_mapping, -1, tp)?;
-        let mut req = Vec::with_capacity(tp);
+        // The packed fields, real rows then padding, built once and written with one memcpy.
+        scratch.clear();
+        let pad = |scratch: &mut Vec<i32>, real: &[i32], value: i32, padded_len: usize| {
+            let end = scratch.len() + padded_len;
+            scratch.extend_from_slice(real);
+            scratch.resize(end, value);
+        };
+        pad(&mut scratch, input.query_start_loc, nt as i32, rp + 1);
+        pad(&mut scratch, input.seq_lens, 0, rp);
+        // Table rows fit in i32: checked against max_num_seqs (validated ≤ i32::MAX cells).
+        scratch.extend(input.table_rows.iter().map(|&r| r as i32));
+        scratch.resize(offsets(rp, tp)[POS], self.cfg.max_num_seqs as i32);
+        pad(&mut scratch, input.positions, 0, tp);
+        pad(&mut scratch, input.slot_mapping, -1, tp);
         for r in 0..nr {
             let q = (input.query_start_loc[r + 1] - input.query_start_loc[r]) as usize;
-            req.extend(std::iter::repeat_n(r as i32, q));
+            scratch.extend(std::iter::repeat_n(r as i32, q));
         }
-        put(f, &mut scratch, REQ, &req, -1, tp)?;
-        // Table rows fit in i32: checked against max_num_seqs (validated ≤ i32::MAX cells).
-        req.clear();
-        req.extend(input.table_rows.iter().map(|&r| r as i32));
-        put(f, &mut scratch, ROWS, &req, self.cfg.max_num_seqs as i32, rp)?;
+        scratch.resize(offsets(rp, tp)[UPD], -1);
         // Updates: [count, (cell, block) × count]; cells index the SWA table, then the KV table.
         let upd = input.table_updates;
-        scratch.clear();
         scratch.push(upd.cells() as i32);
+        let kv_base = self.cfg.table_cells(TableKind::Swa);
         for u in upd.iter() {
             let width = self.cfg.table(u.table).max_blocks_per_seq;
-            let base = match u.table {
-                TableKind::Swa => 0,
-                TableKind::Kv => self.cfg.table_cells(TableKind::Swa),
-            } + u.row * width
-                + u.first_col;
+            let base = if u.table == TableKind::Kv { kv_base } else { 0 } + u.row * width + u.first_col;
             for (j, &b) in u.blocks.iter().enumerate() {
                 scratch.push((base + j) as i32);
                 scratch.push(b);
             }
         }
-        f[UPD].pinned.write(0, &scratch)?;
+        self.staging.write(0, &scratch)?;
         let bulk = if upd.cells() > self.cfg.step_update_cells() { upd.cells() } else { 0 };
         self.bulk_pending.store(bulk, Ordering::Release);
         for u in upd.iter() {
@@ -794,23 +785,30 @@ impl CommonAttentionMetadata {
             return Err(AttentionError::Shape {
                 op: "CommonAttentionMetadata::apply_bulk_table_updates",
                 detail: format!(
-                    "{n} staged update cells exceed the {} a captured upload applies; apply them eagerly                      before the capture or replay",
+                    "{n} staged update cells exceed the {} a captured upload applies; apply them eagerly \
+                     before the capture or replay",
                     self.cfg.step_update_cells()
                 ),
             });
         }
-        let f = &self.fields[UPD];
-        s.copy_from_pinned(&f.pinned, 0, &f.device.prefix(1 + 2 * n)?)?;
-        self.scatter(s, n)?;
+        let at = self.updates_offset()?;
+        s.copy_from_pinned(&self.staging, at, &self.step.slice(at, 1 + 2 * n)?)?;
+        self.scatter(s, at, n)?;
         self.bulk_pending.store(0, Ordering::Release);
         Ok(2)
     }
 
-    /// One scatter launch over the first `capacity` staged update pairs (it reads the count from
-    /// the staging; the launch shape depends only on `capacity`).
-    fn scatter(&self, s: &Stream, capacity: usize) -> Result<()> {
+    /// Where the staged step's updates start in the packed fields.
+    fn updates_offset(&self) -> Result<usize> {
+        let l = self.layout()?;
+        Ok(offsets(l.num_reqs_padded, l.num_tokens_padded)[UPD])
+    }
+
+    /// One scatter launch over the first `capacity` update pairs at `at` in the device copy (it
+    /// reads the count from there; the launch shape depends only on `capacity`).
+    fn scatter(&self, s: &Stream, at: usize, capacity: usize) -> Result<()> {
         let args = [
-            (&self.fields[UPD].device.prefix(1 + 2 * capacity)?).into(),
+            (&self.step.slice(at, 1 + 2 * capacity)?).into(),
             (&self.tables[0].view()).into(),
             (&self.tables[1].view()).into(),
             (capacity as u32).into(),
@@ -821,64 +819,57 @@ impl CommonAttentionMetadata {
         Ok(())
     }
 
-    /// Enqueues the staged step on `s`, no host sync: the pinned→device copies of the
-    /// per-request and per-token fields (prefixes of the padded counts), the copy of the
-    /// fixed-size part of the update staging (`1 + 2·step_update_cells` i32), and one scatter
-    /// launch that writes those updates into the device block tables (its launch shape is fixed;
-    /// it reads the count from the staging). A step with more update cells first applies them
-    /// with [`CommonAttentionMetadata::apply_bulk_table_updates`] (an error while capturing:
-    /// apply them before). Returns the number of operations enqueued (8, or 10 with bulk).
+    /// Enqueues the staged step on `s`, no host sync: one pinned→device copy of the packed
+    /// per-request and per-token fields together with the fixed-size part of the updates
+    /// (`1 + 2·step_update_cells` i32; every length and offset depends only on the padded
+    /// counts), and one scatter launch that writes those updates into the device block tables
+    /// (its launch shape is fixed; it reads the count from the copy). A step with more update
+    /// cells first applies them with [`CommonAttentionMetadata::apply_bulk_table_updates`] (an
+    /// error while capturing: apply them before). Returns the number of operations enqueued (2,
+    /// or 4 with bulk).
     pub fn upload(&self, s: &Stream) -> Result<usize> {
-        let l = self.layout()?;
         let bulk = self.apply_bulk_table_updates(s)?;
-        let slab = self.cfg.step_update_cells();
-        let lens = [
-            l.num_reqs_padded + 1,
-            l.num_reqs_padded,
-            l.num_tokens_padded,
-            l.num_tokens_padded,
-            l.num_tokens_padded,
-            l.num_reqs_padded,
-            1 + 2 * slab,
-        ];
-        for (f, len) in self.fields.iter().zip(lens) {
-            s.copy_from_pinned(&f.pinned, 0, &f.device.prefix(len)?)?;
-        }
+        let (at, slab) = (self.updates_offset()?, self.cfg.step_update_cells());
+        s.copy_from_pinned(&self.staging, 0, &self.step.prefix(at + 1 + 2 * slab)?)?;
         // The scatter clamps the count to the slab: a bulk step's first cells are written again,
         // with the same ids.
-        self.scatter(s, slab)?;
-        Ok(bulk + lens.len() + 1)
+        self.scatter(s, at, slab)?;
+        Ok(bulk + 2)
     }
 
-    fn field(&self, i: usize, len: usize) -> Result<View<i32>> {
-        Ok(self.fields[i].device.prefix(len)?)
+    /// The device view of packed field `i` of the staged step.
+    fn field(&self, i: usize) -> Result<View<i32>> {
+        let l = self.layout()?;
+        let (rp, tp) = (l.num_reqs_padded, l.num_tokens_padded);
+        let o = offsets(rp, tp);
+        Ok(self.step.slice(o[i], o[i + 1] - o[i])?)
     }
 
     /// `[num_reqs_padded + 1]` query start offsets on the device.
     pub fn query_start_loc(&self) -> Result<View<i32>> {
-        self.field(QSL, self.layout()?.num_reqs_padded + 1)
+        self.field(QSL)
     }
     /// `[num_reqs_padded]` sequence lengths on the device (0 for padded requests).
     pub fn seq_lens(&self) -> Result<View<i32>> {
-        self.field(SEQ, self.layout()?.num_reqs_padded)
+        self.field(SEQ)
     }
     /// `[num_tokens_padded]` positions on the device (0 for padded tokens).
     pub fn positions(&self) -> Result<View<i32>> {
-        self.field(POS, self.layout()?.num_tokens_padded)
+        self.field(POS)
     }
     /// `[num_tokens_padded]` slot mapping on the device (-1 for padded tokens).
     pub fn slot_mapping(&self) -> Result<View<i32>> {
-        self.field(SLOT, self.layout()?.num_tokens_padded)
+        self.field(SLOT)
     }
     /// `[num_tokens_padded]` request (batch row) of each token on the device (-1 for padded tokens).
     pub fn token_to_req(&self) -> Result<View<i32>> {
-        self.field(REQ, self.layout()?.num_tokens_padded)
+        self.field(REQ)
     }
     /// `[num_reqs_padded]` table row of each request on the device (the null row for padded
     /// requests). A kernel reads request `r`'s block `c` at
     /// `block_table[table_rows[r] · max_blocks_per_seq + c]`.
     pub fn table_rows(&self) -> Result<View<i32>> {
-        self.field(ROWS, self.layout()?.num_reqs_padded)
+        self.field(ROWS)
     }
     /// `[max_num_seqs + 1, max_blocks_per_seq]` persistent block table of `kind` on the device,
     /// row-major by table row (the last row is the null row). The whole table: the view is the
@@ -891,11 +882,9 @@ impl CommonAttentionMetadata {
         self.cfg.table(kind)
     }
 
-    /// Labels of the device buffers: the uploaded fields in upload order, then the two tables.
+    /// Labels of the persistent device buffers: the packed per-step fields, then the two tables.
     pub fn buffer_labels(&self) -> Vec<&'static str> {
-        let mut labels: Vec<&'static str> = self.fields.iter().map(|f| f.name).collect();
-        labels.extend(["swa_block_table", "kv_block_table"]);
-        labels
+        vec!["attn.common.step", "attn.common.swa_block_table", "attn.common.kv_block_table"]
     }
 }
 
