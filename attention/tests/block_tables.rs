@@ -93,18 +93,21 @@ fn a_growing_decode_appends_blocks_only_where_a_token_starts_one(dev: &Device) {
     let mut appended = [0usize; 2];
     for step in 1..=40 {
         b.updates.clear();
-        for r in 0..3 {
-            let had = [seq[r].div_ceil(16), seq[r].div_ceil(128)];
-            seq[r] += 1;
-            b.seq_lens[r] = seq[r] as i32;
-            b.positions[r] = seq[r] as i32 - 1;
-            let now = [seq[r].div_ceil(16), seq[r].div_ceil(128)];
+        for (r, len) in seq.iter_mut().enumerate() {
+            let had = [len.div_ceil(16), len.div_ceil(128)];
+            *len += 1;
+            b.seq_lens[r] = *len as i32;
+            b.positions[r] = *len as i32 - 1;
+            let now = [len.div_ceil(16), len.div_ceil(128)];
             appended[0] += now[0] - had[0];
             appended[1] += now[1] - had[1];
             push_used(&cfg, &mut b, r, had);
         }
         // Only requests whose new token starts a block carry an update.
-        let starts = seq.iter().map(|&s| usize::from((s - 1) % 16 == 0) + usize::from((s - 1) % 128 == 0)).sum();
+        let starts = seq
+            .iter()
+            .map(|&s| usize::from((s - 1).is_multiple_of(16)) + usize::from((s - 1).is_multiple_of(128)))
+            .sum();
         assert_eq!(b.updates.len(), starts, "step {step}: one update per block start");
         rig.check(&s, &b, &mut rng, &format!("step {step}"));
     }

@@ -199,16 +199,16 @@ fn incremental_block_table_updates_replay_across_steps(dev: &Device) {
     let (mut updates, mut bulk_steps) = (0, 0);
     for i in 0..48 {
         b.updates.clear();
-        for r in 0..seq.len() {
+        for (r, len) in seq.iter_mut().enumerate() {
             let fresh = match (i, r) {
                 (20, 1) => Some(300),  // finishes; a new request takes its table row
                 (36, 4) => Some(5000), // a long context arrives: more cells than the captured upload
                 _ => None,
             };
             let had = match fresh {
-                Some(len) => {
+                Some(fresh) => {
                     step.common.release_table_row(b.table_rows[r] as usize).expect("release");
-                    seq[r] = len;
+                    *len = fresh;
                     for j in 0..ws {
                         b.swa_bt[r * ws + j] = 1 + rng.below(4095) as i32;
                     }
@@ -218,13 +218,13 @@ fn incremental_block_table_updates_replay_across_steps(dev: &Device) {
                     [0, 0]
                 }
                 None => {
-                    let had = [seq[r].div_ceil(64), seq[r].div_ceil(256)];
-                    seq[r] += 1;
+                    let had = [len.div_ceil(64), len.div_ceil(256)];
+                    *len += 1;
                     had
                 }
             };
-            b.seq_lens[r] = seq[r] as i32;
-            b.positions[r] = seq[r] as i32 - 1;
+            b.seq_lens[r] = *len as i32;
+            b.positions[r] = *len as i32 - 1;
             push_used(&cfg, &mut b, r, had);
         }
         updates += b.updates.len();

@@ -145,7 +145,7 @@ impl Decode {
                 self.seq[r] += 1;
                 let p = self.seq[r] as usize - 1;
                 for (k, (kind, t)) in self.tables().into_iter().enumerate() {
-                    if p % t.block_size == 0 {
+                    if p.is_multiple_of(t.block_size) {
                         let id = 1 + self.rng.below(t.num_blocks as u64 - 1) as i32;
                         self.blocks[k][r].push(id);
                         self.updates.push(kind, r, p / t.block_size, &[id]);
