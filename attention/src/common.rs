@@ -681,6 +681,11 @@ impl CommonAttentionMetadata {
             self.rows.seen[row] = (epoch, r as u32);
             for kind in TableKind::ALL {
                 let t = cfg.table(kind);
+                // Compared in tokens (multiplications: no division per request on the fast path).
+                let have = self.rows.columns(kind.index(), row) as usize;
+                if (s as usize) <= have * t.block_size {
+                    continue;
+                }
                 let need = (s as usize).div_ceil(t.block_size);
                 if need > t.max_blocks_per_seq {
                     return Err(invalid(
@@ -694,7 +699,6 @@ impl CommonAttentionMetadata {
                     ));
                 }
                 // Only the columns the request uses are ever read; the rest need never be written.
-                let have = self.rows.columns(kind.index(), row) as usize;
                 if need > have {
                     return Err(invalid(
                         "table_rows",
