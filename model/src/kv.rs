@@ -1,7 +1,8 @@
 //! Paged KV-cache block manager (host side only).
 //!
 //! The device caches are arrays of fixed-size blocks; this module decides which blocks each request
-//! holds and turns that into the block tables and slot mappings attention reads (spec §3.4, §5.1).
+//! holds and turns that into the block-table updates and slot mappings attention reads (spec §3.4,
+//! §5.1).
 //!
 //! # Policies
 //!
