@@ -3,18 +3,23 @@
 //! 8192 on GPUs; 65,536 → 512 on the CPU backend so it runs quickly) and c4a (top-k 512), at 1, 8,
 //! 64, 256 and 1024 decode rows, on the device named by `HOLDFAST_DEVICE` (default `cpu`).
 //!
-//! `builders_only` times the three builders on an already uploaded step (synchronised inside the
-//! timed region). `host_build` times the host side only (on the CPU backend that includes the kernels, which run
-//! inline); the stream is synchronised outside the timed region so the staging is never rewritten
-//! under an in-flight copy. On GPUs `device_build` also times the device work, synchronising
-//! inside the timed region.
+//! The block tables live on the device: every request's rows are written once before the
+//! measurements, and a decode step appends a block to a table only when a request's new token
+//! starts one. `stage_upload/decode` times stage + upload of such a step; `stage_upload/admit_N`
+//! a step in which `N = max(1, rows / 64)` requests are newly admitted with long contexts (their
+//! whole rows written, the rare case). `builders_only` times the three builders on an already
+//! uploaded step (synchronised inside the timed region). `host_build` times the host side of a
+//! whole decode step (on the CPU backend that includes the kernels, which run inline); the stream
+//! is synchronised outside the timed region so the staging is never rewritten under an in-flight
+//! copy. On GPUs `device_build` also times the device work, synchronising inside the timed region.
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use holdfast_attention::{
-    BlockTableConfig, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, StepInput, SwaBuilder,
+    BlockTableConfig, BlockTableUpdates, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, StepInput,
+    SwaBuilder, TableKind,
 };
 use holdfast_hal::{BackendKind, Device, Stream};
 
@@ -32,44 +37,128 @@ impl Rng {
     }
 }
 
-struct Batch {
+/// Requests admitted in the admission step of a batch of `rows`.
+fn admitted(rows: usize) -> usize {
+    (rows / 64).max(1)
+}
+
+/// A decode batch of `rows` requests on table rows `0..rows`, one token each per step; a table
+/// gets a request's next block only when its new token starts one.
+struct Decode {
+    cfg: CommonConfig,
+    rng: Rng,
     qsl: Vec<i32>,
     seq: Vec<i32>,
     pos: Vec<i32>,
     slots: Vec<i32>,
-    swa_bt: Vec<i32>,
-    kv_bt: Vec<i32>,
-    rows: usize,
+    table_rows: Vec<u32>,
+    /// Each request's blocks, per table (what its device rows hold).
+    blocks: [Vec<Vec<i32>>; 2],
+    updates: BlockTableUpdates,
 }
 
-impl Batch {
+impl Decode {
+    fn new(cfg: CommonConfig, seed: u64, rows: usize) -> Decode {
+        let mut d = Decode {
+            cfg,
+            rng: Rng(seed),
+            qsl: (0..=rows as i32).collect(),
+            seq: vec![0; rows],
+            pos: vec![0; rows],
+            slots: (0..rows as i32).collect(),
+            table_rows: (0..rows as u32).collect(),
+            blocks: [vec![Vec::new(); rows], vec![Vec::new(); rows]],
+            updates: BlockTableUpdates::new(),
+        };
+        for r in 0..rows {
+            d.fresh(r);
+        }
+        d
+    }
+
+    fn tables(&self) -> [(TableKind, BlockTableConfig); 2] {
+        [(TableKind::Swa, self.cfg.swa_table), (TableKind::Kv, self.cfg.kv_table)]
+    }
+
+    /// Request `r` becomes a fresh one with a random context (its rows are to be written whole).
+    fn fresh(&mut self, r: usize) {
+        self.seq[r] = 1 + self.rng.below(self.cfg.max_model_len as u64 / 2) as i32;
+        for (k, (_, t)) in self.tables().into_iter().enumerate() {
+            let need = (self.seq[r] as usize).div_ceil(t.block_size);
+            self.blocks[k][r] = (0..need).map(|_| 1 + self.rng.below(t.num_blocks as u64 - 1) as i32).collect();
+        }
+        self.pos[r] = self.seq[r] - 1;
+    }
+
+    /// Writes every request's whole rows into the tables: steps without requests, each at most
+    /// `max_table_updates` cells.
+    fn fill(&mut self, common: &mut CommonAttentionMetadata, s: &Stream) {
+        let rows = self.seq.len();
+        let mut r = 0;
+        while r < rows {
+            self.updates.clear();
+            while r < rows
+                && self.updates.cells() + self.blocks[0][r].len() + self.blocks[1][r].len()
+                    <= self.cfg.max_table_updates
+            {
+                for (k, (kind, _)) in self.tables().into_iter().enumerate() {
+                    self.updates.push(kind, r, 0, &self.blocks[k][r]);
+                }
+                r += 1;
+            }
+            let input = StepInput {
+                query_start_loc: &[0],
+                seq_lens: &[],
+                positions: &[],
+                slot_mapping: &[],
+                table_rows: &[],
+                table_updates: &self.updates,
+                num_reqs_padded: 1,
+                num_tokens_padded: 1,
+            };
+            common.stage(&input).expect("fill");
+            common.upload(s).expect("upload");
+            s.synchronize().expect("sync");
+        }
+    }
+
+    /// The next decode step; requests `0..admit` are replaced by fresh ones (rows released and
+    /// written whole). A request near `max_model_len` starts over as a fresh one too.
+    fn advance(&mut self, admit: usize, common: &mut CommonAttentionMetadata) {
+        self.updates.clear();
+        for r in 0..self.seq.len() {
+            if r < admit || self.seq[r] as usize >= self.cfg.max_model_len {
+                common.release_table_row(r).expect("release");
+                self.fresh(r);
+                for (k, (kind, _)) in self.tables().into_iter().enumerate() {
+                    self.updates.push(kind, r, 0, &self.blocks[k][r]);
+                }
+                continue;
+            }
+            self.seq[r] += 1;
+            let p = self.seq[r] as usize - 1;
+            for (k, (kind, t)) in self.tables().into_iter().enumerate() {
+                if p.is_multiple_of(t.block_size) {
+                    let id = 1 + self.rng.below(t.num_blocks as u64 - 1) as i32;
+                    self.blocks[k][r].push(id);
+                    self.updates.push(kind, r, p / t.block_size, &[id]);
+                }
+            }
+            self.pos[r] = p as i32;
+        }
+    }
+
     fn input(&self) -> StepInput<'_> {
         StepInput {
             query_start_loc: &self.qsl,
             seq_lens: &self.seq,
             positions: &self.pos,
             slot_mapping: &self.slots,
-            swa_block_table: &self.swa_bt,
-            kv_block_table: &self.kv_bt,
-            num_reqs_padded: self.rows,
-            num_tokens_padded: self.rows,
+            table_rows: &self.table_rows,
+            table_updates: &self.updates,
+            num_reqs_padded: self.seq.len(),
+            num_tokens_padded: self.seq.len(),
         }
-    }
-}
-
-fn batch(rng: &mut Rng, cfg: &CommonConfig, rows: usize) -> Batch {
-    let seq: Vec<i32> = (0..rows).map(|_| 1 + rng.below(cfg.max_model_len as u64) as i32).collect();
-    let table = |rng: &mut Rng, t: BlockTableConfig| -> Vec<i32> {
-        (0..rows * t.max_blocks_per_seq).map(|_| rng.below(t.num_blocks as u64) as i32).collect()
-    };
-    Batch {
-        qsl: (0..=rows as i32).collect(),
-        pos: seq.iter().map(|s| s - 1).collect(),
-        slots: (0..rows as i32).collect(),
-        swa_bt: table(rng, cfg.swa_table),
-        kv_bt: table(rng, cfg.kv_table),
-        seq,
-        rows,
     }
 }
 
@@ -86,17 +175,22 @@ struct Rig {
 impl Rig {
     fn new(dev: Device) -> Rig {
         let max_model_len = if dev.backend() == BackendKind::Cpu { 65_536 } else { 1 << 20 };
+        let (t, n) = (1024, 1024);
+        let swa_table =
+            BlockTableConfig { block_size: 64, max_blocks_per_seq: max_model_len / 64, num_blocks: 1 << 20 };
+        let kv_table =
+            BlockTableConfig { block_size: 256, max_blocks_per_seq: max_model_len / 256, num_blocks: 1 << 18 };
         let cfg = CommonConfig {
-            max_num_batched_tokens: 1024,
-            max_num_seqs: 1024,
+            max_num_batched_tokens: t,
+            max_num_seqs: n,
             max_model_len,
             num_spec_tokens: 0,
-            swa_table: BlockTableConfig { block_size: 64, max_blocks_per_seq: max_model_len / 64, num_blocks: 1 << 20 },
-            kv_table: BlockTableConfig {
-                block_size: 256,
-                max_blocks_per_seq: max_model_len / 256,
-                num_blocks: 1 << 18,
-            },
+            swa_table,
+            kv_table,
+            // Decode growth, plus whole rows for the admission step.
+            max_table_updates: swa_table.growth_cells(t, n)
+                + kv_table.growth_cells(t, n)
+                + admitted(n) * (swa_table.max_blocks_per_seq + kv_table.max_blocks_per_seq),
         };
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
         let topk_h: Vec<i32> =
@@ -119,11 +213,40 @@ impl Rig {
             + self.c4a.build(&self.s, &self.common, &self.topk.view()).expect("c4a").stats.launches
     }
 
-    /// One step: stage + upload + the three builds (what the model runner does per decode step).
-    fn step(&mut self, b: &Batch) -> usize {
+    /// Stage + upload of the batch's current step.
+    fn stage_upload(&mut self, b: &Decode) -> usize {
         self.common.stage(&b.input()).expect("stage");
-        self.common.upload(&self.s).expect("upload") + self.builds()
+        self.common.upload(&self.s).expect("upload")
     }
+
+    /// One step: stage + upload + the three builds (what the model runner does per decode step).
+    fn step(&mut self, b: &Decode) -> usize {
+        self.stage_upload(b) + self.builds()
+    }
+}
+
+/// Times `op` over `iters` steps of `b`, each advanced first (untimed) with `admit` admissions;
+/// the stream is synchronised outside the timed region unless `sync_inside`.
+fn timed_steps(
+    rig: &mut Rig,
+    b: &mut Decode,
+    admit: usize,
+    iters: u64,
+    sync_inside: bool,
+    op: fn(&mut Rig, &Decode) -> usize,
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        b.advance(admit, &mut rig.common);
+        let t = Instant::now();
+        black_box(op(rig, b));
+        if sync_inside {
+            rig.s.synchronize().expect("sync");
+        }
+        total += t.elapsed();
+        rig.s.synchronize().expect("sync");
+    }
+    total
 }
 
 fn bench(c: &mut Criterion) {
@@ -138,27 +261,28 @@ fn bench(c: &mut Criterion) {
     let gpu = dev.backend() != BackendKind::Cpu;
     let mut rig = Rig::new(dev);
     let cfg = *rig.common.config();
-    let mut rng = Rng(42);
     let mut g = c.benchmark_group(format!("attention_metadata/{name}"));
     g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
     for rows in ROWS {
-        let batches: Vec<Batch> = (0..4).map(|_| batch(&mut rng, &cfg, rows)).collect();
+        rig.common.release_all_table_rows();
+        let mut b = Decode::new(cfg, 42 + rows as u64, rows);
+        b.fill(&mut rig.common, &rig.s);
+        b.advance(0, &mut rig.common);
         let syncs = rig.dev.stats().host_syncs;
-        let launches = rig.step(&batches[0]);
+        let launches = rig.step(&b);
         assert_eq!(rig.dev.stats().host_syncs, syncs, "a build never syncs");
         eprintln!("rows {rows}: {launches} launches/copies per step, 0 host syncs");
         rig.s.synchronize().expect("sync");
+        let n = admitted(rows);
+        // Stage + upload alone: a steady decode step, and a step that admits `n` requests.
+        g.bench_with_input(BenchmarkId::new("stage_upload/decode", rows), &rows, |bch, _| {
+            bch.iter_custom(|iters| timed_steps(&mut rig, &mut b, 0, iters, false, Rig::stage_upload))
+        });
+        g.bench_with_input(BenchmarkId::new(format!("stage_upload/admit_{n}"), rows), &rows, |bch, _| {
+            bch.iter_custom(|iters| timed_steps(&mut rig, &mut b, n, iters, false, Rig::stage_upload))
+        });
         g.bench_with_input(BenchmarkId::new("host_build", rows), &rows, |bch, _| {
-            bch.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for i in 0..iters as usize {
-                    let t = Instant::now();
-                    black_box(rig.step(&batches[i % batches.len()]));
-                    total += t.elapsed();
-                    rig.s.synchronize().expect("sync");
-                }
-                total
-            })
+            bch.iter_custom(|iters| timed_steps(&mut rig, &mut b, 0, iters, false, Rig::step))
         });
         // The three builders alone on an uploaded step (no staging, no upload), synchronised
         // inside the timed region.
@@ -174,14 +298,7 @@ fn bench(c: &mut Criterion) {
         });
         if gpu {
             g.bench_with_input(BenchmarkId::new("device_build", rows), &rows, |bch, _| {
-                bch.iter_custom(|iters| {
-                    let t = Instant::now();
-                    for i in 0..iters as usize {
-                        black_box(rig.step(&batches[i % batches.len()]));
-                        rig.s.synchronize().expect("sync");
-                    }
-                    t.elapsed()
-                })
+                bch.iter_custom(|iters| timed_steps(&mut rig, &mut b, 0, iters, true, Rig::step))
             });
         }
     }

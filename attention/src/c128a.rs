@@ -136,6 +136,7 @@ impl C128aBuilder {
                     (&common.positions()?.slice(0, d)?).into(),
                     (&common.slot_mapping()?.slice(0, d)?).into(),
                     (&common.token_to_req()?.slice(0, d)?).into(),
+                    (&common.table_rows()?).into(),
                     (&common.block_table(TableKind::Kv)?).into(),
                     (&indices).into(),
                     (&lens).into(),

@@ -151,6 +151,7 @@ impl C4aBuilder {
                 (&pos).into(),
                 (&slots).into(),
                 (&req).into(),
+                (&common.table_rows()?).into(),
                 (&common.block_table(TableKind::Kv)?).into(),
                 (&lens).into(),
                 (&ragged.indptr).into(),

@@ -6,7 +6,7 @@
 //! (kv = first `dim`, score = last `dim`). Two launches on the step's stream, no host sync, launch
 //! shapes from the layout's padded token count only:
 //! 1. **store**: every real token (slot ≥ 0, request ≥ 0) copies its row to `state` at its
-//!    main-table slot `block_table_kv[req][pos / bs]·bs + pos % bs`.
+//!    main-table slot `block_table_kv[table_rows[req]][pos / bs]·bs + pos % bs`.
 //! 2. **pool**: every real token with `(pos + 1) % ratio == 0` reads the `ratio` states of its
 //!    window (positions `pos + 1 − ratio ..= pos`; earlier steps may have written some of them)
 //!    and per channel `c` computes, in f32 and in the fixed order `j = 0 .. ratio`,
@@ -15,7 +15,7 @@
 //!    `rope_dim` channels (interleaved pairs `(2i, 2i + 1)` of that part, angle `cpos ·
 //!    theta^(−2i / rope_dim)`, `cpos = pos + 1 − ratio`, the window's first position), rounded to
 //!    bf16 and written at compressed slot `i = (pos + 1) / ratio − 1` →
-//!    `block_table_kv[req][i / cbs]·cbs + i % cbs`, `cbs = bs / ratio`.
+//!    `block_table_kv[table_rows[req]][i / cbs]·cbs + i % cbs`, `cbs = bs / ratio`.
 //!
 //! Because `bs` is a multiple of `ratio` and windows start at multiples of `ratio`, a window never
 //! straddles a block: its states are `ratio` consecutive rows of the state cache.
@@ -55,14 +55,15 @@ __device__ __forceinline__ int64_t hf_cmp_slot(const int32_t* row, int32_t p, in
 
 // state[slot(t)] = kv_score[t] (2 * dim floats) for every real token t < n. One block per token.
 HF_KERNEL void hf_dsv4_compressor_store(const float* kv_score, const int32_t* positions, const int32_t* slots,
-                                        const int32_t* tok_req, const int32_t* block_table, float* state,
-                                        uint32_t n, uint32_t dim, uint32_t bs, uint32_t bt_width,
+                                        const int32_t* tok_req, const int32_t* table_rows,
+                                        const int32_t* block_table, float* state, uint32_t n, uint32_t dim,
+                                        uint32_t bs, uint32_t bt_width,
                                         uint32_t state_rows) {
     const uint32_t w = 2u * dim;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         int32_t req = tok_req[t];
         if (slots[t] < 0 || req < 0) continue;
-        int64_t s = hf_cmp_slot(block_table + (uint64_t)req * bt_width, positions[t], (int32_t)bs);
+        int64_t s = hf_cmp_slot(block_table + (uint64_t)table_rows[req] * bt_width, positions[t], (int32_t)bs);
         if (s < 0 || s >= (int64_t)state_rows) continue;
         for (uint32_t c = threadIdx.x; c < w; c += blockDim.x)
             state[(uint64_t)s * w + c] = kv_score[(uint64_t)t * w + c];
@@ -73,7 +74,8 @@ HF_KERNEL void hf_dsv4_compressor_store(const float* kv_score, const int32_t* po
 // Dynamic shared memory: dim floats (the pooled row).
 HF_KERNEL void hf_dsv4_compressor_pool(const float* state, const float* ape, const hf_bf16* norm,
                                        const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
-                                       const int32_t* block_table, hf_bf16* cache, uint32_t n, uint32_t ratio,
+                                       const int32_t* table_rows, const int32_t* block_table, hf_bf16* cache,
+                                       uint32_t n, uint32_t ratio,
                                        uint32_t dim, uint32_t rope_dim, uint32_t bs, uint32_t bt_width,
                                        uint32_t state_rows, uint32_t cache_rows, float rope_theta, float eps) {
     extern __shared__ float pooled[];
@@ -89,7 +91,7 @@ HF_KERNEL void hf_dsv4_compressor_pool(const float* state, const float* ape, con
         if (slots[t] < 0 || req < 0) continue;
         int32_t pos = positions[t];
         if (((uint32_t)pos + 1u) % ratio != 0u) continue;
-        const int32_t* row = block_table + (uint64_t)req * bt_width;
+        const int32_t* row = block_table + (uint64_t)table_rows[req] * bt_width;
         int32_t start = pos + 1 - (int32_t)ratio;
         int64_t base = hf_cmp_slot(row, start, (int32_t)bs);  // the window's ratio consecutive rows
         int32_t ci = (pos + 1) / (int32_t)ratio - 1;
@@ -142,17 +144,17 @@ HF_KERNEL void hf_dsv4_compressor_pool(const float* state, const float* ape, con
 pub const COMPRESSOR_THREADS: u32 = 128;
 
 fn store_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
-    let (kv, pos, slots, req, bt) =
-        (l.ptr::<f32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?, l.ptr::<i32>(4)?);
-    let state = l.ptr::<f32>(5)?;
-    let (n, dim, bs, btw, rows) = (l.count(6)?, l.count(7)?, l.count(8)? as i64, l.count(9)?, l.count(10)? as i64);
+    let (kv, pos, slots, req) = (l.ptr::<f32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (table_rows, bt, state) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<f32>(6)?);
+    let (n, dim, bs, btw, rows) = (l.count(7)?, l.count(8)?, l.count(9)? as i64, l.count(10)?, l.count(11)? as i64);
     let w = 2 * dim;
     for t in 0..n {
         let r = req.get(t)?;
         if slots.get(t)? < 0 || r < 0 {
             continue;
         }
-        let s = table_slot(&bt, i64::from(r), btw, i64::from(pos.get(t)?), bs)?;
+        let tr = i64::from(table_rows.get_signed(i64::from(r))?);
+        let s = table_slot(&bt, tr, btw, i64::from(pos.get(t)?), bs)?;
         if s < 0 || s >= rows {
             continue;
         }
@@ -161,8 +163,8 @@ fn store_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
     Ok(())
 }
 
-fn table_slot(bt: &CpuPtr<'_, i32>, req: i64, width: usize, p: i64, bs: i64) -> holdfast_hal::Result<i64> {
-    Ok(i64::from(bt.get_signed(req * width as i64 + p / bs)?) * bs + p % bs)
+fn table_slot(bt: &CpuPtr<'_, i32>, row: i64, width: usize, p: i64, bs: i64) -> holdfast_hal::Result<i64> {
+    Ok(i64::from(bt.get_signed(row * width as i64 + p / bs)?) * bs + p % bs)
 }
 
 /// Shape of one pooling launch.
@@ -217,11 +219,11 @@ fn pool_row(win: &[f32], ape: &[f32], norm: &[f32], start: i64, p: PoolShape) ->
 
 fn pool_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
     let (state, ape, norm) = (l.ptr::<f32>(0)?, l.ptr::<f32>(1)?, l.ptr::<bf16>(2)?);
-    let (pos, slots, req, bt) = (l.ptr::<i32>(3)?, l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?);
-    let cache = l.ptr::<bf16>(7)?;
-    let (n, ratio, dim, rope_dim) = (l.count(8)?, l.count(9)?, l.count(10)?, l.count(11)?);
-    let (bs, btw, srows, crows) = (l.count(12)? as i64, l.count(13)?, l.count(14)? as i64, l.count(15)? as i64);
-    let shape = PoolShape { ratio, dim, rope_dim, theta: l.f32(16)?, eps: l.f32(17)? };
+    let (pos, slots, req, table_rows) = (l.ptr::<i32>(3)?, l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?);
+    let (bt, cache) = (l.ptr::<i32>(7)?, l.ptr::<bf16>(8)?);
+    let (n, ratio, dim, rope_dim) = (l.count(9)?, l.count(10)?, l.count(11)?, l.count(12)?);
+    let (bs, btw, srows, crows) = (l.count(13)? as i64, l.count(14)?, l.count(15)? as i64, l.count(16)? as i64);
+    let shape = PoolShape { ratio, dim, rope_dim, theta: l.f32(17)?, eps: l.f32(18)? };
     let cbs = bs / ratio as i64;
     let w = 2 * dim;
     // Gather the windows through the checked pointers, pool them in parallel, then write.
@@ -236,8 +238,9 @@ fn pool_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
             continue;
         }
         let start = p + 1 - ratio as i64;
-        let base = table_slot(&bt, i64::from(r), btw, start, bs)?;
-        let dst = table_slot(&bt, i64::from(r), btw, (p + 1) / ratio as i64 - 1, cbs)?;
+        let tr = i64::from(table_rows.get_signed(i64::from(r))?);
+        let base = table_slot(&bt, tr, btw, start, bs)?;
+        let dst = table_slot(&bt, tr, btw, (p + 1) / ratio as i64 - 1, cbs)?;
         if base < 0 || base + ratio as i64 > srows || dst < 0 || dst >= crows {
             continue;
         }
@@ -274,6 +277,7 @@ pub fn source() -> &'static KernelSource {
                         inp("positions"),
                         inp("slots"),
                         inp("tok_req"),
+                        inp("table_rows"),
                         inp("block_table"),
                         Param::output::<f32>("state"),
                         u("n"),
@@ -293,6 +297,7 @@ pub fn source() -> &'static KernelSource {
                         inp("positions"),
                         inp("slots"),
                         inp("tok_req"),
+                        inp("table_rows"),
                         inp("block_table"),
                         Param::output::<bf16>("cache"),
                         u("n"),
@@ -477,10 +482,11 @@ impl Compressor {
         }
         let dev = common.device().clone();
         let (launches, host_syncs) = counting_syncs(&dev, || {
-            let (pos, slots, req, bt) = (
+            let (pos, slots, req, rows, bt) = (
                 common.positions()?,
                 common.slot_mapping()?,
                 common.token_to_req()?,
+                common.table_rows()?,
                 common.block_table(TableKind::Kv)?,
             );
             let grid = t.clamp(1, 65535) as u32;
@@ -490,6 +496,7 @@ impl Compressor {
                 (&pos).into(),
                 (&slots).into(),
                 (&req).into(),
+                (&rows).into(),
                 (&bt).into(),
                 state.into(),
                 u(t).into(),
@@ -506,6 +513,7 @@ impl Compressor {
                 (&pos).into(),
                 (&slots).into(),
                 (&req).into(),
+                (&rows).into(),
                 (&bt).into(),
                 cache.into(),
                 u(t).into(),

@@ -5,7 +5,7 @@
 //! entries exist. Their logits are
 //! `logit[c] = Σ_h w[t, h] · relu(scale · q[t, h, :] · k[slot(c), :])` for `c < n_t`, with `k`
 //! read from the indexer's own ratio-4 [`crate::Compressor`] cache through the main block table
-//! (`slot(c) = block_table_kv[req][c / cbs]·cbs + c % cbs`, `cbs = kv_block_size / 4`). The
+//! (`slot(c) = block_table_kv[table_rows[req]][c / cbs]·cbs + c % cbs`, `cbs = kv_block_size / 4`). The
 //! output row is the `topk` entries ordered by logit descending, then index ascending (ties go to
 //! the lower index), `-1` after; padding tokens and tokens with `n_t = 0` get a row of `-1`.
 //! These are *local* compressed positions; [`crate::C4aBuilder`] maps them to global slots.
@@ -83,7 +83,8 @@ __device__ __forceinline__ int32_t hf_idx_visible(const int32_t* positions, cons
 // Blocks of HF_IDX_WARPS warps; dynamic shared memory (heads * dim + heads + HF_IDX_WARPS * dim) floats.
 HF_KERNEL void hf_dsv4_indexer_logits(const hf_bf16* q, const float* w, const hf_bf16* k_cache,
                                       const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
-                                      const int32_t* block_table, float* scores, uint32_t n, uint32_t heads,
+                                      const int32_t* table_rows, const int32_t* block_table, float* scores,
+                                      uint32_t n, uint32_t heads,
                                       uint32_t dim, uint32_t width, uint32_t cbs, uint32_t bt_width,
                                       uint32_t cache_rows, float scale) {
     extern __shared__ float sm[];
@@ -95,7 +96,7 @@ HF_KERNEL void hf_dsv4_indexer_logits(const hf_bf16* q, const float* w, const hf
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         const int32_t cn = hf_idx_visible(positions, slots, tok_req, t, width);
         if (cn == 0) continue;
-        const int32_t* row = block_table + (uint64_t)tok_req[t] * bt_width;
+        const int32_t* row = block_table + (uint64_t)table_rows[tok_req[t]] * bt_width;
         __syncthreads();  // the previous token's readers of qs / wsh are done
         for (uint32_t i = threadIdx.x; i < heads * dim; i += blockDim.x)
             qs[i] = hf_bf16_to_f32(q[(uint64_t)t * heads * dim + i]);
@@ -424,12 +425,16 @@ fn visible_tokens(
 }
 
 fn logits_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
-    let (q, w, kc, bt, scores) =
-        (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<bf16>(2)?, l.ptr::<i32>(6)?, l.ptr::<f32>(7)?);
+    let (q, w, kc, table_rows) = (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<bf16>(2)?, l.ptr::<i32>(6)?);
+    let (bt, scores) = (l.ptr::<i32>(7)?, l.ptr::<f32>(8)?);
     let (n, heads, dim, width, cbs, btw, rows) =
-        (l.count(8)?, l.count(9)?, l.count(10)?, l.count(11)?, l.count(12)?, l.count(13)?, l.count(14)?);
-    let scale = l.f32(15)?;
-    let jobs = visible_tokens(l, 3, n, width)?;
+        (l.count(9)?, l.count(10)?, l.count(11)?, l.count(12)?, l.count(13)?, l.count(14)?, l.count(15)?);
+    let scale = l.f32(16)?;
+    // Keyed by table row from here on: a request's block-table row.
+    let mut jobs = visible_tokens(l, 3, n, width)?;
+    for job in &mut jobs {
+        job.1 = table_rows.get_signed(i64::from(job.1))?;
+    }
     // Each request's K rows once, as f32 (`[n_max, dim]`), gathered through the checked pointers.
     let mut keys: HashMap<i32, Vec<f32>> = HashMap::new();
     for &(_, r, cn) in &jobs {
@@ -443,7 +448,7 @@ fn logits_ref(l: &CpuLaunch<'_>) -> holdfast_hal::Result<()> {
             let slot = i64::from(block) * cbs as i64 + (c % cbs) as i64;
             if slot < 0 || slot >= rows as i64 {
                 return Err(
-                    l.fail(format!("compressed entry {c} of request {r}: slot {slot} outside the {rows}-row cache"))
+                    l.fail(format!("compressed entry {c} of table row {r}: slot {slot} outside the {rows}-row cache"))
                 );
             }
             k.extend(kc.read(slot as usize * dim, dim)?.iter().map(|x| x.to_f32()));
@@ -560,6 +565,7 @@ pub fn source() -> &'static KernelSource {
                         inp("positions"),
                         inp("slots"),
                         inp("tok_req"),
+                        inp("table_rows"),
                         inp("block_table"),
                         Param::output::<f32>("scores"),
                         u("n"),
@@ -823,10 +829,11 @@ impl Indexer {
         }
         let dev = common.device().clone();
         let (launches, host_syncs) = counting_syncs(&dev, || {
-            let (pos, slots, req, bt) = (
+            let (pos, slots, req, table_rows, bt) = (
                 common.positions()?,
                 common.slot_mapping()?,
                 common.token_to_req()?,
+                common.table_rows()?,
                 common.block_table(TableKind::Kv)?,
             );
             let scores = self.scores.prefix((t * self.max_compressed).max(1))?;
@@ -840,6 +847,7 @@ impl Indexer {
                 (&pos).into(),
                 (&slots).into(),
                 (&req).into(),
+                (&table_rows).into(),
                 (&bt).into(),
                 (&scores).into(),
                 u(t).into(),

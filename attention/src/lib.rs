@@ -1,11 +1,12 @@
 //! # holdfast-attention: DeepSeek-V4 sparse MLA and SWA metadata
 //!
 //! Per step, the host hands [`CommonAttentionMetadata::stage`] the scheduler's inputs (query
-//! offsets, sequence lengths, positions, slot mapping, two block tables). They are validated and
-//! padded on the host — bad input is an [`AttentionError::InvalidInput`] before anything is
-//! enqueued — and written to pinned staging. Everything after that is device work on the step's
-//! stream: [`CommonAttentionMetadata::upload`] copies the staging into persistent buffers, and the
-//! builders ([`SwaBuilder`], [`C128aBuilder`], [`C4aBuilder`]) turn it into dense and ragged index
+//! offsets, sequence lengths, positions, slot mapping, each request's table row and the step's
+//! block-table updates). They are validated and padded on the host — bad input is an
+//! [`AttentionError::InvalidInput`] before anything is enqueued — and written to pinned staging.
+//! Everything after that is device work on the step's stream: [`CommonAttentionMetadata::upload`]
+//! copies the staging into persistent buffers and scatters the updates into the persistent block
+//! tables, and the builders ([`SwaBuilder`], [`C128aBuilder`], [`C4aBuilder`]) turn it into dense and ragged index
 //! lists with kernels of [`source`] and the generic scan / pack of `holdfast-kernels`.
 //!
 //! The kernels that consume the metadata live here too: [`SparseAttention`] inserts each token's
@@ -25,10 +26,16 @@
 //!   [`holdfast_graph::CgSupport::UniformBatch`]: the decode/prefill split (threshold
 //!   `1 + num_spec_tokens`) is decided on the host from the staged step, and on the fast path
 //!   (every query ≤ threshold) all padded rows are decode rows, so the split is the captured one.
+//! - **Block tables stay on the device.** Each of the two tables is `[max_num_seqs + 1,
+//!   max_blocks_per_seq]`, indexed by a stable table row per request plus a null row for padding;
+//!   a step stages only the block ids that changed ([`BlockTableUpdates`]), so its host and copy
+//!   cost does not grow with the table width (80 KB per request per step at a 1M-token context
+//!   when whole tables were uploaded).
 //! - **Padding reads nothing.** Padded tokens have slot -1 and request -1; every kernel gives them
 //!   length 0 and a row of -1.
 //! - **Who validates what.** [`CommonAttentionMetadata::stage`] validates host data (lengths,
-//!   positions against sequence lengths, block ids against the cache, sizes against the
+//!   positions against sequence lengths, updated block ids against the cache, table rows and the
+//!   columns each request uses against what was written to its row, sizes against the
 //!   construction limits). Device data (the indexer's top-k) cannot be checked on the host, so the
 //!   c4a kernels keep only entries that name an existing compressed position.
 //! - Builders allocate only at construction ([`holdfast_hal::Device::alloc_persistent`] by
@@ -49,8 +56,8 @@ mod swa;
 pub use c128a::{c128a_max_compressed, C128aBuilder, C128aDecode, C128aMetadata, C128A_ALIGN, C128A_RATIO};
 pub use c4a::{C4aBuilder, C4aDecode, C4aMetadata, C4A_RATIO};
 pub use common::{
-    persistent_alloc, BlockTableConfig, BufferAlloc, BuildStats, CommonAttentionMetadata, CommonConfig, Ragged,
-    StepInput, StepLayout, TableKind,
+    persistent_alloc, BlockTableConfig, BlockTableUpdate, BlockTableUpdates, BufferAlloc, BuildStats,
+    CommonAttentionMetadata, CommonConfig, Ragged, StepInput, StepLayout, TableKind,
 };
 pub use compressor::{source as compressor_source, Compressor, CompressorWeights, COMPRESSOR_THREADS};
 pub use error::{AttentionError, Result};

@@ -3,6 +3,9 @@
 //! All of them map 32-bit positions, slots and block ids, so the CPU references and the device
 //! kernels agree bit for bit. Launch shapes depend only on view lengths (padded row counts),
 //! never on contents. A token is valid when its slot is ≥ 0 and it belongs to a request (≥ 0).
+//! Block tables are indexed by table row, not batch row: token `t` of request `r = tok_req[t]`
+//! reads block `c` at `block_table[table_rows[r] · bt_width + c]`; `hf_dsv4_block_table_scatter`
+//! writes each step's updates into the persistent tables.
 
 use std::sync::OnceLock;
 
@@ -36,9 +39,9 @@ __device__ __forceinline__ int32_t hf_c128a_len(const int32_t* positions, const 
 // the lengths of tokens 0..t summed (the block recomputes the earlier tokens' lengths from their
 // positions), flat[indptr[t] + j] = indices[t, j] for j < len.
 HF_KERNEL void hf_dsv4_swa_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
-                                  const int32_t* block_table, int32_t* indices, int32_t* lens, int32_t* indptr,
-                                  int32_t* flat, uint32_t n, uint32_t window, uint32_t block_size,
-                                  uint32_t bt_width) {
+                                  const int32_t* table_rows, const int32_t* block_table, int32_t* indices,
+                                  int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t window,
+                                  uint32_t block_size, uint32_t bt_width) {
     __shared__ int32_t part[1024];
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
@@ -51,7 +54,7 @@ HF_KERNEL void hf_dsv4_swa_decode(const int32_t* positions, const int32_t* slots
         int32_t start = pos - (int32_t)window + 1;
         if (start < 0) start = 0;
         int32_t len = valid ? pos + 1 - start : 0;
-        const int32_t* row = block_table + (uint64_t)(valid ? req : 0) * bt_width;
+        const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
         for (uint32_t j = threadIdx.x; j < window; j += blockDim.x) {
             int32_t v = (int32_t)j < len ? hf_slot(row, start + (int32_t)j, (int32_t)block_size) : -1;
             indices[(uint64_t)t * window + j] = v;
@@ -79,9 +82,9 @@ HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t
 // compressed entries' global slots (compressed block size cbs), -1 after; lens[t] = n, 0 (and all
 // -1) if invalid; and, in the same launch, indptr / flat as hf_dsv4_swa_decode.
 HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
-                                    const int32_t* block_table, int32_t* indices, int32_t* lens, int32_t* indptr,
-                                    int32_t* flat, uint32_t n, uint32_t width, uint32_t ratio, uint32_t cbs,
-                                    uint32_t bt_width) {
+                                    const int32_t* table_rows, const int32_t* block_table, int32_t* indices,
+                                    int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t width,
+                                    uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
     __shared__ int32_t part[1024];
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
@@ -92,7 +95,7 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
         int32_t req = tok_req[t];
         bool valid = slots[t] >= 0 && req >= 0;
         const int32_t c = hf_c128a_len(positions, slots, tok_req, t, width, ratio);
-        const int32_t* row = block_table + (uint64_t)(valid ? req : 0) * bt_width;
+        const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
         for (uint32_t j = threadIdx.x; j < width; j += blockDim.x) {
             const int32_t v = (int32_t)j < c ? hf_slot(row, (int32_t)j, (int32_t)cbs) : -1;
             indices[(uint64_t)t * width + j] = v;
@@ -148,9 +151,9 @@ HF_KERNEL void hf_dsv4_c4a_count(const int32_t* topk, const int32_t* positions, 
 // exact in any order); then thread h owns the contiguous chunk [h * ceil(k / T), ...) of the row,
 // so a block scan of the per-thread counts keeps the order.
 HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, const int32_t* slots,
-                                const int32_t* tok_req, const int32_t* block_table, const int32_t* lens,
-                                int32_t* indptr, int32_t* flat, uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs,
-                                uint32_t bt_width) {
+                                const int32_t* tok_req, const int32_t* table_rows, const int32_t* block_table,
+                                const int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t k,
+                                uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
     __shared__ int32_t part[HF_C4A_THREADS];
     uint32_t chunk = (k + HF_C4A_THREADS - 1) / HF_C4A_THREADS;
     uint32_t begin = threadIdx.x * chunk;
@@ -176,7 +179,7 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
             __syncthreads();
         }
         int32_t out = base + part[threadIdx.x] - c;
-        const int32_t* row = block_table + (uint64_t)(valid ? req : 0) * bt_width;
+        const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
         for (uint32_t j = begin; j < end; ++j) {
             int32_t v = in[j];
             if (hf_c4a_keep(v, avail)) flat[out++] = hf_slot(row, v, (int32_t)cbs);
@@ -184,7 +187,25 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
         __syncthreads();
     }
 }
+
+// Block-table updates: updates[0] = n (clamped to [0, capacity]), then n pairs (cell, block). A
+// cell below swa_cells indexes the SWA table, the others the KV table at cell - swa_cells; cells
+// out of both are skipped. Grid-stride over the capacity, so the launch shape never depends on n.
+HF_KERNEL void hf_dsv4_block_table_scatter(const int32_t* updates, int32_t* swa_table, int32_t* kv_table,
+                                           uint32_t capacity, uint32_t swa_cells, uint32_t kv_cells) {
+    int32_t c = updates[0];
+    const uint32_t n = c < 0 ? 0u : ((uint32_t)c < capacity ? (uint32_t)c : capacity);
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const uint32_t cell = (uint32_t)updates[1 + 2 * (uint64_t)i];
+        const int32_t block = updates[2 + 2 * (uint64_t)i];
+        if (cell < swa_cells) swa_table[cell] = block;
+        else if (cell - swa_cells < kv_cells) kv_table[cell - swa_cells] = block;
+    }
+}
 "#;
+
+/// Threads per block of the block-table scatter.
+pub(crate) const SCATTER_THREADS: u32 = 256;
 
 /// Threads per block of the c4a kernels (their launchers must use exactly this many).
 pub const C4A_THREADS: u32 = 128;
@@ -194,6 +215,11 @@ fn token(pos: &CpuPtr<'_, i32>, slots: &CpuPtr<'_, i32>, req: &CpuPtr<'_, i32>, 
     let r = req.get(t)?;
     let valid = slots.get(t)? >= 0 && r >= 0;
     Ok((valid, if valid { i64::from(pos.get(t)?) } else { 0 }, i64::from(r)))
+}
+
+/// Table row of request `r` (a valid token's request).
+fn table_row(rows: &CpuPtr<'_, i32>, r: i64) -> Result<i64> {
+    Ok(i64::from(rows.get_signed(r)?))
 }
 
 fn slot(bt: &CpuPtr<'_, i32>, row: i64, width: usize, p: i64, bs: i64) -> Result<i32> {
@@ -227,9 +253,10 @@ impl RaggedOut<'_> {
 }
 
 fn swa_decode(l: &CpuLaunch<'_>) -> Result<()> {
-    let (pos, slots, req, bt) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
-    let mut out = RaggedOut { idx: l.ptr(4)?, lens: l.ptr(5)?, indptr: l.ptr(6)?, flat: l.ptr(7)?, base: 0 };
-    let (n, window, bs, w) = (l.count(8)?, l.count(9)?, l.count(10)? as i64, l.count(11)?);
+    let (pos, slots, req, rows) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let bt = l.ptr::<i32>(4)?;
+    let mut out = RaggedOut { idx: l.ptr(5)?, lens: l.ptr(6)?, indptr: l.ptr(7)?, flat: l.ptr(8)?, base: 0 };
+    let (n, window, bs, w) = (l.count(9)?, l.count(10)?, l.count(11)? as i64, l.count(12)?);
     if n == 0 {
         out.indptr.set(0, 0)?;
     }
@@ -239,8 +266,11 @@ fn swa_decode(l: &CpuLaunch<'_>) -> Result<()> {
         let start = (p - window as i64 + 1).max(0);
         let len = if valid { p + 1 - start } else { 0 };
         row.fill(-1);
-        for (j, v) in row.iter_mut().enumerate().take(len as usize) {
-            *v = slot(&bt, r, w, start + j as i64, bs)?;
+        if len > 0 {
+            let tr = table_row(&rows, r)?;
+            for (j, v) in row.iter_mut().enumerate().take(len as usize) {
+                *v = slot(&bt, tr, w, start + j as i64, bs)?;
+            }
         }
         out.row(t, window, &row, len as usize)?;
     }
@@ -267,9 +297,10 @@ fn compressed_count(valid: bool, p: i64, ratio: i64, width: usize) -> usize {
 }
 
 fn c128a_decode(l: &CpuLaunch<'_>) -> Result<()> {
-    let (pos, slots, req, bt) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
-    let mut out = RaggedOut { idx: l.ptr(4)?, lens: l.ptr(5)?, indptr: l.ptr(6)?, flat: l.ptr(7)?, base: 0 };
-    let (n, width, ratio, cbs, w) = (l.count(8)?, l.count(9)?, l.count(10)? as i64, l.count(11)? as i64, l.count(12)?);
+    let (pos, slots, req, rows) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let bt = l.ptr::<i32>(4)?;
+    let mut out = RaggedOut { idx: l.ptr(5)?, lens: l.ptr(6)?, indptr: l.ptr(7)?, flat: l.ptr(8)?, base: 0 };
+    let (n, width, ratio, cbs, w) = (l.count(9)?, l.count(10)?, l.count(11)? as i64, l.count(12)? as i64, l.count(13)?);
     if n == 0 {
         out.indptr.set(0, 0)?;
     }
@@ -278,8 +309,11 @@ fn c128a_decode(l: &CpuLaunch<'_>) -> Result<()> {
         let (valid, p, r) = token(&pos, &slots, &req, t)?;
         let c = compressed_count(valid, p, ratio, width);
         row.fill(-1);
-        for (j, v) in row.iter_mut().enumerate().take(c) {
-            *v = slot(&bt, r, w, j as i64, cbs)?;
+        if c > 0 {
+            let tr = table_row(&rows, r)?;
+            for (j, v) in row.iter_mut().enumerate().take(c) {
+                *v = slot(&bt, tr, w, j as i64, cbs)?;
+            }
         }
         out.row(t, width, &row, c)?;
     }
@@ -317,8 +351,9 @@ fn c4a_count(l: &CpuLaunch<'_>) -> Result<()> {
 
 fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
     let (topk, pos, slots, req) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
-    let (bt, lens, indptr, flat) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?, l.ptr::<i32>(7)?);
-    let (n, k, ratio, cbs, w) = (l.count(8)?, l.count(9)?, l.count(10)? as i64, l.count(11)? as i64, l.count(12)?);
+    let (rows, bt, lens) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?);
+    let (indptr, flat) = (l.ptr::<i32>(7)?, l.ptr::<i32>(8)?);
+    let (n, k, ratio, cbs, w) = (l.count(9)?, l.count(10)?, l.count(11)? as i64, l.count(12)? as i64, l.count(13)?);
     // The exclusive scan of the lengths (two's-complement adds, as the device's).
     let mut starts = Vec::with_capacity(n + 1);
     starts.push(0i32);
@@ -331,9 +366,10 @@ fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
         let (valid, p, r) = token(&pos, &slots, &req, t)?;
         let avail = if valid { (p + 1) / ratio } else { 0 };
         out.clear();
+        let tr = if valid { table_row(&rows, r)? } else { 0 };
         for v in topk.read(t * k, k)? {
             if v >= 0 && i64::from(v) < avail {
-                out.push(slot(&bt, r, w, i64::from(v), cbs)?);
+                out.push(slot(&bt, tr, w, i64::from(v), cbs)?);
             }
         }
         if out.is_empty() {
@@ -341,6 +377,22 @@ fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
         }
         let base = usize::try_from(base).map_err(|_| l.fail(format!("indptr[{t}] = {base} is negative")))?;
         flat.write(base, &out)?;
+    }
+    Ok(())
+}
+
+fn block_table_scatter(l: &CpuLaunch<'_>) -> Result<()> {
+    let (upd, swa, kv) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?);
+    let (cap, swa_cells, kv_cells) = (l.count(3)?, l.count(4)?, l.count(5)?);
+    let n = usize::try_from(upd.get(0)?).unwrap_or(0).min(cap);
+    let pairs = upd.read(1, 2 * n)?;
+    for p in pairs.chunks_exact(2) {
+        let (cell, block) = (p[0] as u32 as usize, p[1]);
+        if cell < swa_cells {
+            swa.set(cell, block)?;
+        } else if cell - swa_cells < kv_cells {
+            kv.set(cell - swa_cells, block)?;
+        }
     }
     Ok(())
 }
@@ -362,6 +414,7 @@ pub fn source() -> &'static KernelSource {
                         inp("positions"),
                         inp("slots"),
                         inp("tok_req"),
+                        inp("table_rows"),
                         inp("block_table"),
                         out("indices"),
                         out("lens"),
@@ -385,6 +438,7 @@ pub fn source() -> &'static KernelSource {
                         inp("positions"),
                         inp("slots"),
                         inp("tok_req"),
+                        inp("table_rows"),
                         inp("block_table"),
                         out("indices"),
                         out("lens"),
@@ -432,6 +486,7 @@ pub fn source() -> &'static KernelSource {
                         inp("positions"),
                         inp("slots"),
                         inp("tok_req"),
+                        inp("table_rows"),
                         inp("block_table"),
                         inp("lens"),
                         out("indptr"),
@@ -443,6 +498,18 @@ pub fn source() -> &'static KernelSource {
                         u("bt_width"),
                     ],
                     cpu: c4a_pack,
+                },
+                KernelEntry {
+                    name: "hf_dsv4_block_table_scatter",
+                    params: vec![
+                        inp("updates"),
+                        Param::inout::<i32>("swa_table"),
+                        Param::inout::<i32>("kv_table"),
+                        u("capacity"),
+                        u("swa_cells"),
+                        u("kv_cells"),
+                    ],
+                    cpu: block_table_scatter,
                 },
             ],
         }
@@ -463,6 +530,7 @@ pub(crate) struct AttnKernels {
     pub(crate) c128a_prefill: holdfast_hal::Kernel,
     pub(crate) c4a_count: holdfast_hal::Kernel,
     pub(crate) c4a_pack: holdfast_hal::Kernel,
+    pub(crate) block_table_scatter: holdfast_hal::Kernel,
 }
 
 impl AttnKernels {
@@ -476,6 +544,7 @@ impl AttnKernels {
             c128a_prefill: m.kernel("hf_dsv4_c128a_prefill")?,
             c4a_count: m.kernel("hf_dsv4_c4a_count")?,
             c4a_pack: m.kernel("hf_dsv4_c4a_pack")?,
+            block_table_scatter: m.kernel("hf_dsv4_block_table_scatter")?,
         })
     }
 }

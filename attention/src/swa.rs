@@ -131,6 +131,7 @@ impl SwaBuilder {
                     (&common.positions()?.slice(0, d)?).into(),
                     (&common.slot_mapping()?.slice(0, d)?).into(),
                     (&common.token_to_req()?.slice(0, d)?).into(),
+                    (&common.table_rows()?).into(),
                     (&common.block_table(TableKind::Swa)?).into(),
                     (&indices).into(),
                     (&lens).into(),

@@ -1,7 +1,8 @@
 //! Every builder against plain references written from spec §5, over random batches (mixes of
 //! decode and prefill, windows, positions around multiples of 4 and 128, random block ids,
-//! padding) with poisoned outputs; host-input errors; zero host syncs. Written once against
-//! `&Device`; runs on `cpu` always and on `cuda:0` when present.
+//! requests on random table rows of the persistent block tables, padding) with poisoned outputs;
+//! host-input errors; zero host syncs. Written once against `&Device`; runs on `cpu` always and on
+//! `cuda:0` when present.
 
 mod common;
 
@@ -189,13 +190,15 @@ fn bad_inputs_are_errors_before_any_kernel(dev: &Device) {
     assert_eq!(field(&b, &mut common), "positions");
     let mut b = good.clone();
     b.swa_bt[0] = 4096;
-    assert_eq!(field(&b, &mut common), "swa_block_table");
+    b.set_table_rows(&cfg, good.table_rows.clone());
+    assert_eq!(field(&b, &mut common), "table_updates");
     let mut b = good.clone();
     b.kv_bt[0] = -3;
-    assert_eq!(field(&b, &mut common), "kv_block_table");
+    b.set_table_rows(&cfg, good.table_rows.clone());
+    assert_eq!(field(&b, &mut common), "table_updates");
     let mut b = good.clone();
-    b.kv_bt.pop();
-    assert_eq!(field(&b, &mut common), "kv_block_table");
+    b.table_rows.pop();
+    assert_eq!(field(&b, &mut common), "table_rows");
     let mut b = good.clone();
     b.seq_lens[0] = 2000;
     assert_eq!(field(&b, &mut common), "seq_lens");
@@ -228,6 +231,7 @@ fn bad_inputs_are_errors_before_any_kernel(dev: &Device) {
     b.slots.extend(&extra.slots);
     b.swa_bt.extend(&extra.swa_bt);
     b.kv_bt.extend(&extra.kv_bt);
+    b.set_table_rows(&cfg, vec![0, 1]);
     b.reqs_padded = 2;
     b.tokens_padded = b.num_tokens();
     assert_eq!(field(&b, &mut common), "query_start_loc");

@@ -1,6 +1,8 @@
 //! One decode step's metadata (upload, SWA, c128a, c4a) plus a consumer captured as one graph and
-//! replayed over fresh random batches staged into the same pinned memory: every replay equals the
-//! eager build and the reference. A builder that hands out a non-persistent ragged buffer is
+//! replayed over fresh random batches staged into the same pinned memory, and over a growing decode
+//! whose steps carry only block-table updates (appends at block starts, a row reused by a new
+//! request, one long admission applied eagerly before its replay): every replay equals the eager
+//! build and the reference. A builder that hands out a non-persistent ragged buffer is
 //! rejected at capture.
 
 mod common;
@@ -144,6 +146,8 @@ fn decode_step_replays_equal_eager_over_fresh_batches(dev: &Device) {
             wrapping_sums(&c4a_ref(&b, &cfg, &l, &topk, k)),
         ]
         .concat();
+        // Whole random rows each step: more cells than a captured upload applies.
+        step.common.apply_bulk_table_updates(&s).expect("bulk updates");
         graph.replay(&s).expect("replay");
         let replayed = s.copy_to_host_sync(&step.sums.view()).expect("read");
         assert_eq!(replayed, want, "step {i}: replay vs reference");
@@ -156,6 +160,99 @@ fn decode_step_replays_equal_eager_over_fresh_batches(dev: &Device) {
         assert_eq!(eager, replayed, "step {i}: eager vs replay");
     }
     assert_eq!(graph.replays(), 50);
+}
+
+fn incremental_block_table_updates_replay_across_steps(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let (rows, window, k) = (8usize, 128usize, 64usize);
+    let mut cfg: CommonConfig = config(64, 16, 8192, 0, 64, 256);
+    // Room for decode growth only: every step but the long admission rides in the captured upload.
+    cfg.max_table_updates = 128;
+    let growth = cfg.swa_table.growth_cells(64, 16) + cfg.kv_table.growth_cells(64, 16);
+    assert_eq!(cfg.step_update_cells(), growth);
+    let mut step = Step {
+        common: CommonAttentionMetadata::new(dev, cfg).expect("common"),
+        swa: SwaBuilder::new(dev, &cfg, window).expect("swa"),
+        c128a: C128aBuilder::new(dev, &cfg).expect("c128a"),
+        c4a: C4aBuilder::new(dev, &cfg, k).expect("c4a"),
+        topk_staging: dev.alloc_pinned::<i32>(cfg.max_num_batched_tokens * k).expect("pinned"),
+        topk: dev.alloc_persistent::<i32>("indexer.topk", cfg.max_num_batched_tokens * k).expect("topk"),
+        consumer: dev.compile(&consumer_source()).expect("consumer").kernel("ragged_row_sum").expect("k"),
+        sums: dev.alloc_from_slice("sums", &vec![POISON; 3 * rows], true).expect("sums"),
+        k,
+    };
+    let mut rng = Rng(0x1AC4);
+    // Six decodes on scattered table rows, two padded rows; contexts next to block starts.
+    let mut seq = vec![60usize, 63, 255, 256, 1, 700];
+    let mut b = decode_batch(&cfg, &mut rng, &seq, &[15, 10, 12, 11, 14, 13], rows - seq.len());
+    for r in 0..seq.len() {
+        push_used(&cfg, &mut b, r, [0, 0]);
+    }
+    step.common.stage(&b.input()).expect("first step");
+    step.run(&s, rows);
+    s.synchronize().expect("sync");
+    s.begin_capture("decode metadata, persistent block tables").expect("begin");
+    step.run(&s, rows);
+    let graph = s.end_capture().expect("end capture");
+
+    let (ws, wk) = (cfg.swa_table.max_blocks_per_seq, cfg.kv_table.max_blocks_per_seq);
+    let (mut updates, mut bulk_steps) = (0, 0);
+    for i in 0..48 {
+        b.updates.clear();
+        for (r, len) in seq.iter_mut().enumerate() {
+            let fresh = match (i, r) {
+                (20, 1) => Some(300),  // finishes; a new request takes its table row
+                (36, 4) => Some(5000), // a long context arrives: more cells than the captured upload
+                _ => None,
+            };
+            let had = match fresh {
+                Some(fresh) => {
+                    step.common.release_table_row(b.table_rows[r] as usize).expect("release");
+                    *len = fresh;
+                    for j in 0..ws {
+                        b.swa_bt[r * ws + j] = 1 + rng.below(4095) as i32;
+                    }
+                    for j in 0..wk {
+                        b.kv_bt[r * wk + j] = 1 + rng.below(4095) as i32;
+                    }
+                    [0, 0]
+                }
+                None => {
+                    let had = [len.div_ceil(64), len.div_ceil(256)];
+                    *len += 1;
+                    had
+                }
+            };
+            b.seq_lens[r] = *len as i32;
+            b.positions[r] = *len as i32 - 1;
+            push_used(&cfg, &mut b, r, had);
+        }
+        updates += b.updates.len();
+        let l = step.common.stage(&b.input()).expect("stage");
+        let topk = random_topk(&mut rng, &b, rows, k);
+        step.topk_staging.write(0, &topk).expect("stage topk");
+        let want: Vec<i32> = [
+            wrapping_sums(&swa_ref(&b, &cfg, &l, window)),
+            wrapping_sums(&c128a_decode_ref(&b, &cfg, &l)),
+            wrapping_sums(&c4a_ref(&b, &cfg, &l, &topk, k)),
+        ]
+        .concat();
+        // The graph applies the step's updates itself; a bulk step's go first, eagerly.
+        bulk_steps += usize::from(step.common.apply_bulk_table_updates(&s).expect("bulk") > 0);
+        graph.replay(&s).expect("replay");
+        let replayed = s.copy_to_host_sync(&step.sums.view()).expect("read");
+        assert_eq!(replayed, want, "step {i}: replay vs reference");
+        step.swa.fill_outputs(&s, POISON).expect("poison");
+        step.c128a.fill_outputs(&s, POISON).expect("poison");
+        step.c4a.fill_outputs(&s, POISON).expect("poison");
+        dev.write_sync(&step.sums, &vec![POISON; 3 * rows]).expect("poison sums");
+        step.run(&s, rows);
+        let eager = s.copy_to_host_sync(&step.sums.view()).expect("read");
+        assert_eq!(eager, replayed, "step {i}: eager vs replay");
+    }
+    assert_eq!(bulk_steps, 1, "only the long admission exceeds the captured upload");
+    assert!((8..=30).contains(&updates), "decode steps append only at block starts: {updates} updates");
+    assert_eq!(graph.replays(), 48);
 }
 
 fn a_builder_with_a_fresh_ragged_buffer_is_rejected_at_capture(dev: &Device) {
@@ -201,6 +298,7 @@ fn a_builder_with_a_fresh_ragged_buffer_is_rejected_at_capture(dev: &Device) {
 
 holdfast_hal::device_suite!(
     decode_step_replays_equal_eager_over_fresh_batches,
+    incremental_block_table_updates_replay_across_steps,
     a_builder_with_a_fresh_ragged_buffer_is_rejected_at_capture
 );
 

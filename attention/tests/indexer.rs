@@ -308,16 +308,19 @@ fn a_row_does_not_depend_on_the_rest_of_the_batch(dev: &Device) {
     let mut reqs = requests(&mut rng, &cfg, &[100, 90]);
     reqs[0].done = 80;
     reqs[1].done = 89;
-    let a = Batch {
+    let mut a = Batch {
         qsl: vec![0, 20],
         seq_lens: vec![100],
         positions: (80..100).collect(),
         slots: (80..100).map(|p| reqs[0].blocks[p / 16] * 16 + (p % 16) as i32).collect(),
         swa_bt: vec![0; cfg.swa_table.max_blocks_per_seq],
         kv_bt: reqs[0].blocks.clone(),
+        table_rows: vec![],
+        updates: Default::default(),
         reqs_padded: 1,
         tokens_padded: 20,
     };
+    a.set_table_rows(&cfg, vec![0]);
     let qa: Vec<bf16> = (0..20 * heads * dim).map(|_| bf16::from_f32(uniform(&mut rng, -1.0, 1.0))).collect();
     let wa: Vec<f32> = (0..20 * heads).map(|_| uniform(&mut rng, -0.5, 1.0)).collect();
     let alone = rig.run(&s, &a, &qa, &wa, 0.125);
@@ -328,6 +331,8 @@ fn a_row_does_not_depend_on_the_rest_of_the_batch(dev: &Device) {
     ab.slots.insert(0, reqs[1].blocks[89 / 16] * 16 + 89 % 16);
     ab.swa_bt = vec![0; 2 * cfg.swa_table.max_blocks_per_seq];
     ab.kv_bt = [reqs[1].blocks.clone(), reqs[0].blocks.clone()].concat();
+    // Request i keeps table row i: A stays on row 0 behind the other request's row 1.
+    ab.set_table_rows(&cfg, vec![1, 0]);
     ab.reqs_padded = 3;
     ab.tokens_padded = 29;
     let mut qb: Vec<bf16> = (0..heads * dim).map(|_| bf16::from_f32(uniform(&mut rng, -1.0, 1.0))).collect();

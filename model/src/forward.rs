@@ -229,6 +229,8 @@ impl ModelForward {
             num_spec_tokens: tm.saturating_sub(1),
             swa_table,
             kv_table,
+            // The scheduler hands out blocks only for the tokens it schedules.
+            max_table_updates: swa_table.growth_cells(tm, sm) + kv_table.growth_cells(tm, sm),
         };
         let (h, d, heads, n) = (cfg.hidden_size, cfg.head_dim, local.heads, cfg.hc_mult);
         let common = CommonAttentionMetadata::new(dev, common_cfg)?;
@@ -427,6 +429,9 @@ impl ModelForward {
                         step.num_reqs()
                     )));
                 }
+                for &row in &step.released_rows {
+                    self.common.release_table_row(row as usize)?;
+                }
                 self.common.stage(&step.step_input(rp, t))?;
                 scratch.clear();
                 scratch.extend_from_slice(&step.token_ids);
@@ -445,8 +450,8 @@ impl ModelForward {
                     seq_lens: &empty,
                     positions: &empty,
                     slot_mapping: &empty,
-                    swa_block_table: &empty,
-                    kv_block_table: &empty,
+                    table_rows: &[],
+                    table_updates: &holdfast_attention::BlockTableUpdates::new(),
                     num_reqs_padded: rp,
                     num_tokens_padded: t,
                 };

@@ -1,7 +1,8 @@
 //! Paged KV-cache block manager (host side only).
 //!
 //! The device caches are arrays of fixed-size blocks; this module decides which blocks each request
-//! holds and turns that into the block tables and slot mappings attention reads (spec §3.4, §5.1).
+//! holds and turns that into the block-table updates and slot mappings attention reads (spec §3.4,
+//! §5.1).
 //!
 //! # Policies
 //!
@@ -12,8 +13,11 @@
 //! - **Both tables cover every position `0..len`.** Blocks of the SWA cache that fell out of the
 //!   sliding window are kept until the request ends; freeing them early (and caching only the
 //!   blocks that can serve a prefix hit, spec §8.3) is a later optimisation.
-//! - **Block 0 is the null block.** It is never handed out; table rows are padded with it, and
-//!   padded requests point at it. Usable ids are `[1, num_blocks)`.
+//! - **Block 0 is the null block.** It is never handed out; attention's null table row (the row
+//!   of padded requests) holds only it. Usable ids are `[1, num_blocks)`.
+//! - **Tables live on the device.** A request's block ids are written once into its row of
+//!   attention's persistent block tables: [`KvManager::push_table_updates`] turns the blocks
+//!   handed out since the last call into block-table updates, so a step carries only new blocks.
 //! - **All-or-nothing growth.** [`KvManager::ensure`] checks both pools before taking a block, so a
 //!   failed call changes nothing; the scheduler preempts and retries.
 //! - **Deterministic ids.** Free blocks form a LIFO stack (initially `1, 2, 3, …` in handing-out
@@ -23,7 +27,7 @@
 
 use std::collections::BTreeMap;
 
-use holdfast_attention::BlockTableConfig;
+use holdfast_attention::{BlockTableConfig, BlockTableUpdates, TableKind};
 
 /// Errors of the block manager.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -103,6 +107,18 @@ pub enum KvError {
         got: usize,
         /// Entries expected.
         want: usize,
+    },
+    /// Block-table columns said to be written already, past the blocks the request holds.
+    #[error("request {id}: {sent} columns of its {pool} table row said written, it holds {held} blocks")]
+    ColumnsPastHeld {
+        /// The request.
+        id: u64,
+        /// The table's pool.
+        pool: &'static str,
+        /// Columns said written.
+        sent: usize,
+        /// Blocks held.
+        held: usize,
     },
     /// A block id given back that is not currently handed out (null, out of range, or free).
     #[error("{pool} pool: block {block} is not handed out ({why})")]
@@ -497,6 +513,28 @@ impl KvManager {
         out[..n].copy_from_slice(&blocks[..n]);
         out[n..].fill(0);
         Ok(())
+    }
+
+    /// Appends to `out` the blocks request `id` holds past `sent = (swa, kv)` columns (those its
+    /// table row `row` already has) as at most one update per table, and returns the columns the
+    /// row has afterwards (every block it holds). From `(0, 0)` that is the whole row, as a
+    /// request given a table row needs. Errors for an unknown request, or `sent` past what it holds.
+    pub fn push_table_updates(
+        &self,
+        id: u64,
+        row: usize,
+        sent: (usize, usize),
+        out: &mut BlockTableUpdates,
+    ) -> Result<(usize, usize), KvError> {
+        let h = self.held.get(&id).ok_or(KvError::UnknownRequest(id))?;
+        for (have, blocks, pool) in [(sent.0, &h.swa, "swa"), (sent.1, &h.kv, "kv")] {
+            if have > blocks.len() {
+                return Err(KvError::ColumnsPastHeld { id, pool, sent: have, held: blocks.len() });
+            }
+        }
+        out.push(TableKind::Swa, row, sent.0, &h.swa[sent.0..]);
+        out.push(TableKind::Kv, row, sent.1, &h.kv[sent.1..]);
+        Ok((h.swa.len(), h.kv.len()))
     }
 
     /// Row of the SWA block table for request `id`, padded with 0 (the null block) to

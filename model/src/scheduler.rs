@@ -33,11 +33,18 @@
 //!   (`prompt + max_new_tokens − 1` tokens: the last sampled token is never written) does not fit
 //!   the empty cache or a block-table row. A request alone therefore always fits, and the earliest
 //!   admitted running request is never preempted for another, so every step makes progress.
+//! - **Table rows.** Attention keeps every running request's block-table rows on the device,
+//!   indexed by a table row in `[0, max_num_seqs)` that the request holds from admission until it
+//!   finishes or is preempted (then the row is free for the next admission). A step's
+//!   [`Step::table_updates`] carry only the blocks handed out since the request's previous step
+//!   (its whole row on admission, and again after a preemption), and [`Step::released_rows`] the
+//!   rows given back since the previous step. A fresh scheduler's first step releases every row,
+//!   so whatever an earlier scheduler left in attention's tables counts as unwritten.
 //! - Requests end only at `max_new_tokens` (no stop tokens yet).
 
 use std::collections::{HashMap, VecDeque};
 
-use holdfast_attention::StepInput;
+use holdfast_attention::{BlockTableUpdates, StepInput};
 
 use crate::kv::{KvError, KvManager};
 
@@ -138,10 +145,16 @@ pub struct Step {
     pub positions: Vec<i32>,
     /// `[num_tokens]` SWA-cache slot each token's KV is written to.
     pub slot_mapping: Vec<i32>,
-    /// `[num_reqs, max_blocks_per_seq_swa]` row-major SWA block ids, padded with the null block 0.
-    pub swa_block_table: Vec<i32>,
-    /// `[num_reqs, max_blocks_per_seq_kv]` row-major main-cache block ids, padded with 0.
-    pub kv_block_table: Vec<i32>,
+    /// `[num_reqs]` table row of each request in attention's persistent block tables (held from
+    /// admission to finish or preemption).
+    pub table_rows: Vec<u32>,
+    /// Block-table writes of this step: every block handed out since the request's previous
+    /// step, appended after the columns its row already has (the whole row on admission).
+    pub table_updates: BlockTableUpdates,
+    /// Table rows given back since the previous step (finished or preempted requests, or every
+    /// row on a fresh scheduler's first step). Release them in attention before staging this
+    /// step: one may be the row of a request admitted in this very step.
+    pub released_rows: Vec<u32>,
     /// `[num_reqs]`: this row's last token produces a new token (decode, or the chunk that ends
     /// the prefill or the recompute).
     pub samples: Vec<bool>,
@@ -196,8 +209,8 @@ impl Step {
             seq_lens: &self.seq_lens,
             positions: &self.positions,
             slot_mapping: &self.slot_mapping,
-            swa_block_table: &self.swa_block_table,
-            kv_block_table: &self.kv_block_table,
+            table_rows: &self.table_rows,
+            table_updates: &self.table_updates,
             num_reqs_padded,
             num_tokens_padded,
         }
@@ -233,6 +246,24 @@ impl Seq {
     }
 }
 
+/// A running request's table row and the `(swa, kv)` columns of it already sent as updates.
+#[derive(Clone, Copy, Debug)]
+struct TableRow {
+    row: u32,
+    sent: (usize, usize),
+}
+
+/// The step in flight: what [`Scheduler::update`] checks and [`Scheduler::abort_step`] undoes.
+#[derive(Debug)]
+struct InFlight {
+    /// `(id, query_len)` of each row.
+    rows: Vec<(u64, usize)>,
+    /// `(id, columns sent before the step)` of each row, to send again if the step is aborted.
+    sent_before: Vec<(u64, (usize, usize))>,
+    /// The rows the step released, to release again if it is aborted.
+    released: Vec<u32>,
+}
+
 /// Continuous-batching scheduler over a [`KvManager`] (see the module docs for the policies).
 #[derive(Debug)]
 pub struct Scheduler {
@@ -243,8 +274,13 @@ pub struct Scheduler {
     waiting: VecDeque<u64>,
     /// Admission order (the last is the most recently admitted).
     running: Vec<u64>,
-    /// `(id, query_len)` of each row of the step in flight.
-    in_flight: Option<Vec<(u64, usize)>>,
+    /// Table row of each running request.
+    rows: HashMap<u64, TableRow>,
+    /// Free table rows; the next one handed out is the last element.
+    free_rows: Vec<u32>,
+    /// Rows given back since the last step was built.
+    released: Vec<u32>,
+    in_flight: Option<InFlight>,
     preemptions: u64,
 }
 
@@ -257,12 +293,21 @@ impl Scheduler {
         if cfg.max_model_len > i32::MAX as usize || cfg.max_num_batched_tokens > i32::MAX as usize {
             return Err(ScheduleError::Config(format!("token counts must fit in i32: {cfg:?}")));
         }
+        if cfg.max_num_seqs > u32::MAX as usize {
+            return Err(ScheduleError::Config(format!("max_num_seqs must fit in u32: {cfg:?}")));
+        }
+        let rows = cfg.max_num_seqs as u32;
         Ok(Scheduler {
             cfg,
             kv,
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            rows: HashMap::new(),
+            // Reverse order so that rows are handed out 0, 1, 2, ….
+            free_rows: (0..rows).rev().collect(),
+            // Whatever an earlier scheduler left in attention's tables counts as unwritten.
+            released: (0..rows).collect(),
             in_flight: None,
             preemptions: 0,
         })
@@ -310,10 +355,19 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Gives back request `id`'s blocks and table row (it finished or was preempted).
+    fn retire(&mut self, id: u64) {
+        self.kv.free(id);
+        if let Some(r) = self.rows.remove(&id) {
+            self.free_rows.push(r.row);
+            self.released.push(r.row);
+        }
+    }
+
     /// Preempts the most recently admitted running request; returns its id.
     fn preempt_last(&mut self) -> Option<u64> {
         let victim = self.running.pop()?;
-        self.kv.free(victim);
+        self.retire(victim);
         if let Some(s) = self.seqs.get_mut(&victim) {
             s.computed = 0;
             s.preemptions += 1;
@@ -393,9 +447,12 @@ impl Scheduler {
                 if !self.kv.can_fit(id, n) {
                     break;
                 }
+                // Fewer than max_num_seqs run, so a row is free.
+                let Some(row) = self.free_rows.pop() else { break };
                 self.kv.ensure(id, n)?;
                 self.waiting.pop_front();
                 self.running.push(id);
+                self.rows.insert(id, TableRow { row, sent: (0, 0) });
                 plan.push((id, n, false));
                 budget -= n;
             }
@@ -415,14 +472,35 @@ impl Scheduler {
             }
         };
         plan.sort_by_key(rank);
-        let step = self.build_step(&plan)?;
-        self.in_flight = Some(plan.iter().map(|&(id, n, _)| (id, n)).collect());
+        let sent_before = plan.iter().filter_map(|p| self.rows.get(&p.0).map(|r| (p.0, r.sent))).collect();
+        let step = match self.build_step(&plan) {
+            Ok(step) => step,
+            Err(e) => {
+                self.rewind(sent_before, Vec::new());
+                return Err(e);
+            }
+        };
+        self.in_flight = Some(InFlight {
+            rows: plan.iter().map(|&(id, n, _)| (id, n)).collect(),
+            sent_before,
+            released: step.released_rows.clone(),
+        });
         Ok(Some(step))
     }
 
-    fn build_step(&self, plan: &[(u64, usize, bool)]) -> Result<Step, ScheduleError> {
-        let kc = self.kv.config();
-        let (ws, wk) = (kc.max_blocks_per_seq_swa, kc.max_blocks_per_seq_kv);
+    /// Undoes a step's table bookkeeping: its requests' rows count as holding only the columns
+    /// sent before it, and the rows it released are released again with the next step.
+    fn rewind(&mut self, sent_before: Vec<(u64, (usize, usize))>, released: Vec<u32>) {
+        for (id, sent) in sent_before {
+            if let Some(r) = self.rows.get_mut(&id) {
+                r.sent = sent;
+            }
+        }
+        let later = std::mem::replace(&mut self.released, released);
+        self.released.extend(later);
+    }
+
+    fn build_step(&mut self, plan: &[(u64, usize, bool)]) -> Result<Step, ScheduleError> {
         let num_tokens: usize = plan.iter().map(|p| p.1).sum();
         let mut st = Step {
             req_ids: Vec::with_capacity(plan.len()),
@@ -431,13 +509,14 @@ impl Scheduler {
             seq_lens: Vec::with_capacity(plan.len()),
             positions: Vec::with_capacity(num_tokens),
             slot_mapping: Vec::with_capacity(num_tokens),
-            swa_block_table: vec![0; plan.len() * ws],
-            kv_block_table: vec![0; plan.len() * wk],
+            table_rows: Vec::with_capacity(plan.len()),
+            table_updates: BlockTableUpdates::new(),
+            released_rows: Vec::new(),
             samples: Vec::with_capacity(plan.len()),
             num_decodes: plan.iter().filter(|p| p.2).count(),
         };
         st.query_start_loc.push(0);
-        for (r, &(id, n, _)) in plan.iter().enumerate() {
+        for &(id, n, _) in plan {
             let s = self.seqs.get(&id).ok_or(KvError::UnknownRequest(id))?;
             let end = s.computed + n;
             for pos in s.computed..end {
@@ -450,16 +529,21 @@ impl Scheduler {
             st.query_start_loc.push(st.token_ids.len() as i32);
             st.seq_lens.push(end as i32);
             st.samples.push(end == s.len());
-            self.kv.write_swa_row(id, &mut st.swa_block_table[r * ws..(r + 1) * ws])?;
-            self.kv.write_kv_row(id, &mut st.kv_block_table[r * wk..(r + 1) * wk])?;
+            let row = self.rows.get_mut(&id).ok_or(KvError::UnknownRequest(id))?;
+            row.sent = self.kv.push_table_updates(id, row.row as usize, row.sent, &mut st.table_updates)?;
+            st.table_rows.push(row.row);
         }
+        st.released_rows = std::mem::take(&mut self.released);
         Ok(st)
     }
 
     /// Forgets the step in flight without applying it (e.g. the forward failed): its requests keep
-    /// their blocks and the next [`Scheduler::schedule`] computes the same tokens again.
+    /// their blocks and the next [`Scheduler::schedule`] computes the same tokens again, sending
+    /// the step's table updates and releases again with it.
     pub fn abort_step(&mut self) {
-        self.in_flight = None;
+        if let Some(f) = self.in_flight.take() {
+            self.rewind(f.sent_before, f.released);
+        }
     }
 
     /// Feeds back the sampled token of each row that samples (`sampled.len() ==
@@ -469,7 +553,7 @@ impl Scheduler {
     /// All-or-nothing: errors (nothing changed) when `step` is not the step in flight or the
     /// samples are of the wrong count or negative.
     pub fn update(&mut self, step: &Step, sampled: &[i32]) -> Result<Vec<Finished>, ScheduleError> {
-        let Some(rows) = &self.in_flight else {
+        let Some(InFlight { rows, .. }) = &self.in_flight else {
             return Err(ScheduleError::StaleStep("no step is in flight".into()));
         };
         let matches = rows.len() == step.num_reqs()
@@ -488,7 +572,7 @@ impl Scheduler {
         if let Some((i, &t)) = sampled.iter().enumerate().find(|(_, &t)| t < 0) {
             return Err(ScheduleError::BadSamples(format!("sampled token {i} has negative id {t}")));
         }
-        let Some(rows) = self.in_flight.take() else { return Ok(Vec::new()) };
+        let Some(InFlight { rows, .. }) = self.in_flight.take() else { return Ok(Vec::new()) };
         let mut next = sampled.iter();
         let mut finished = Vec::new();
         for (r, (id, n)) in rows.into_iter().enumerate() {
@@ -504,7 +588,7 @@ impl Scheduler {
                     finished.push(Finished { id, tokens: s.output, preemptions: s.preemptions });
                 }
                 self.running.retain(|&x| x != id);
-                self.kv.free(id);
+                self.retire(id);
             }
         }
         Ok(finished)
@@ -553,5 +637,10 @@ impl Scheduler {
     /// The block manager.
     pub fn kv(&self) -> &KvManager {
         &self.kv
+    }
+
+    /// Table row of a running request, or `None`.
+    pub fn table_row(&self, id: u64) -> Option<u32> {
+        self.rows.get(&id).map(|r| r.row)
     }
 }

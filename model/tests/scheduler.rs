@@ -59,23 +59,51 @@ fn alone(r: &Request) -> Vec<i32> {
     ctx.split_off(r.prompt.len())
 }
 
-/// A model that writes each token into paged caches at the step's slots and, for each sampling
-/// row, reads the whole context back through both block tables before hashing it.
+/// A model that keeps its own copy of the persistent block tables (by table row, built only from
+/// the steps' releases and updates), writes each token into paged caches at the step's slots and,
+/// for each sampling row, reads the whole context back through both tables before hashing it.
 struct FakeModel {
     swa: Vec<i32>,
     main: Vec<i32>,
-    kv: KvConfig,
+    /// `[table row] → block ids written` of the SWA and the main table.
+    tables: [Vec<Vec<i32>>; 2],
 }
 
 impl FakeModel {
     fn new(kv: KvConfig) -> Self {
-        FakeModel { swa: vec![-1; kv.swa_num_blocks * SWA_BS], main: vec![-1; kv.kv_num_blocks * KV_BS], kv }
+        FakeModel {
+            swa: vec![-1; kv.swa_num_blocks * SWA_BS],
+            main: vec![-1; kv.kv_num_blocks * KV_BS],
+            tables: [vec![Vec::new(); 64], vec![Vec::new(); 64]],
+        }
     }
 
-    fn run(&mut self, step: &Step) -> Vec<i32> {
-        let (ws, wk) = (self.kv.max_blocks_per_seq_swa, self.kv.max_blocks_per_seq_kv);
+    /// Applies the step's releases and updates; checks that the updates only append the blocks
+    /// handed out since the request's previous step, and that each row then equals what the
+    /// request holds.
+    fn apply_tables(&mut self, s: &Scheduler, step: &Step) {
+        for &row in &step.released_rows {
+            for t in &mut self.tables {
+                t[row as usize].clear();
+            }
+        }
+        for u in step.table_updates.iter() {
+            let row = &mut self.tables[u.table as usize][u.row];
+            assert_eq!(u.first_col, row.len(), "row {}: an update appends after the columns it has", u.row);
+            row.extend_from_slice(u.blocks);
+        }
+        for (r, &id) in step.req_ids.iter().enumerate() {
+            let row = step.table_rows[r] as usize;
+            assert_eq!(s.table_row(id), Some(step.table_rows[r]), "request {id}: its table row");
+            assert_eq!(&self.tables[0][row][..], s.kv().swa_blocks(id).expect("held"), "request {id}: SWA row");
+            assert_eq!(&self.tables[1][row][..], s.kv().kv_blocks(id).expect("held"), "request {id}: main row");
+        }
+    }
+
+    fn run(&mut self, s: &Scheduler, step: &Step) -> Vec<i32> {
+        self.apply_tables(s, step);
         for r in 0..step.num_reqs() {
-            let kv_row = &step.kv_block_table[r * wk..(r + 1) * wk];
+            let kv_row = &self.tables[1][step.table_rows[r] as usize];
             for t in step.query_start_loc[r] as usize..step.query_start_loc[r + 1] as usize {
                 let pos = step.positions[t] as usize;
                 self.swa[step.slot_mapping[t] as usize] = step.token_ids[t];
@@ -84,8 +112,8 @@ impl FakeModel {
         }
         let mut out = Vec::new();
         for r in (0..step.num_reqs()).filter(|&r| step.samples[r]) {
-            let swa_row = &step.swa_block_table[r * ws..(r + 1) * ws];
-            let kv_row = &step.kv_block_table[r * wk..(r + 1) * wk];
+            let swa_row = &self.tables[0][step.table_rows[r] as usize];
+            let kv_row = &self.tables[1][step.table_rows[r] as usize];
             let len = step.seq_lens[r] as usize;
             let ctx: Vec<i32> =
                 (0..len).map(|p| self.swa[swa_row[p / SWA_BS] as usize * SWA_BS + p % SWA_BS]).collect();
@@ -108,9 +136,12 @@ fn check_step(s: &Scheduler, step: &Step, common: &mut CommonAttentionMetadata) 
     assert_eq!(step.query_start_loc.len(), nr + 1);
     assert_eq!(step.query_start_loc[0], 0);
     assert_eq!(step.query_start_loc[nr] as usize, nt);
-    assert_eq!((step.positions.len(), step.slot_mapping.len()), (nt, nt));
-    assert_eq!(step.swa_block_table.len(), nr * kc.max_blocks_per_seq_swa);
-    assert_eq!(step.kv_block_table.len(), nr * kc.max_blocks_per_seq_kv);
+    assert_eq!((step.positions.len(), step.slot_mapping.len(), step.table_rows.len()), (nt, nt, nr));
+    let mut rows = step.table_rows.clone();
+    rows.sort_unstable();
+    rows.dedup();
+    assert_eq!(rows.len(), nr, "distinct table rows");
+    assert!(rows.iter().all(|&r| (r as usize) < c.max_num_seqs), "table rows in range: {rows:?}");
     let mut seen_long = false;
     for r in 0..nr {
         let q = step.query_len(r);
@@ -130,11 +161,10 @@ fn check_step(s: &Scheduler, step: &Step, common: &mut CommonAttentionMetadata) 
         let seq = step.seq_lens[r] as usize;
         assert!(seq <= c.max_model_len);
         assert_eq!(s.kv().held_len(id), Some(seq), "request {id} holds exactly its tokens");
-        let swa_row = &step.swa_block_table[r * kc.max_blocks_per_seq_swa..(r + 1) * kc.max_blocks_per_seq_swa];
-        let kv_row = &step.kv_block_table[r * kc.max_blocks_per_seq_kv..(r + 1) * kc.max_blocks_per_seq_kv];
+        let swa_row = s.kv().swa_blocks(id).expect("held");
         let (need_swa, need_kv) = s.kv().blocks_for(seq);
-        assert!(swa_row[..need_swa].iter().all(|&b| b >= 1) && swa_row[need_swa..].iter().all(|&b| b == 0));
-        assert!(kv_row[..need_kv].iter().all(|&b| b >= 1) && kv_row[need_kv..].iter().all(|&b| b == 0));
+        assert_eq!((swa_row.len(), s.kv().kv_blocks(id).map(<[i32]>::len)), (need_swa, Some(need_kv)));
+        assert!(swa_row.len() <= kc.max_blocks_per_seq_swa && swa_row.iter().all(|&b| b >= 1));
         for j in 0..q {
             let t = step.query_start_loc[r] as usize + j;
             let pos = step.positions[t] as usize;
@@ -145,6 +175,9 @@ fn check_step(s: &Scheduler, step: &Step, common: &mut CommonAttentionMetadata) 
     let st = s.kv().stats();
     assert_eq!(st.swa_used + st.swa_free, st.swa_capacity);
     assert_eq!(st.kv_used + st.kv_free, st.kv_capacity);
+    for &row in &step.released_rows {
+        common.release_table_row(row as usize).expect("a released row is in range");
+    }
     let layout = common.stage(&step.step_input(nr, nt)).expect("attention accepts the step");
     assert!(layout.num_decodes >= step.num_decodes || step.is_uniform_decode());
     assert_eq!(step.sample_rows().len(), step.num_sampling());
@@ -160,6 +193,8 @@ fn common_for(s: &Scheduler) -> CommonAttentionMetadata {
         num_spec_tokens: 0,
         swa_table: kc.swa_table(),
         kv_table: kc.kv_table(),
+        max_table_updates: kc.swa_table().growth_cells(c.max_num_batched_tokens, c.max_num_seqs)
+            + kc.kv_table().growth_cells(c.max_num_batched_tokens, c.max_num_seqs),
     };
     CommonAttentionMetadata::new(&Device::cpu().expect("cpu device"), cc).expect("common metadata")
 }
@@ -187,7 +222,7 @@ fn run_to_idle(s: &mut Scheduler, mut arrivals: Vec<Vec<Request>>) -> (BTreeMap<
         steps += 1;
         assert!(steps < 100_000, "no progress");
         check_step(s, &step, &mut common);
-        let sampled = model.run(&step);
+        let sampled = model.run(s, &step);
         for f in s.update(&step, &sampled).expect("update") {
             assert!(done.insert(f.id, f).is_none(), "finished twice");
         }
@@ -199,7 +234,7 @@ fn run_to_idle(s: &mut Scheduler, mut arrivals: Vec<Vec<Request>>) -> (BTreeMap<
 }
 
 fn apply(s: &mut Scheduler, step: &Step, model: &mut FakeModel) -> Vec<Finished> {
-    let sampled = model.run(step);
+    let sampled = model.run(s, step);
     s.update(step, &sampled).expect("update")
 }
 
@@ -275,7 +310,7 @@ fn decodes_come_first_then_partial_prefills_then_new_requests() {
     assert_eq!(st.samples, vec![true, false]);
     assert_eq!(st.num_decodes, 0);
     assert_eq!(st.sample_rows(), vec![2]);
-    let g0 = model.run(&st);
+    let g0 = model.run(&s, &st);
     s.update(&st, &g0).expect("update");
 
     let st = s.schedule().expect("ok").expect("work");
@@ -334,6 +369,7 @@ fn a_one_token_chunk_goes_before_longer_rows() {
     let mut model = FakeModel::new(*s.kv().config());
     s.add(req(1, 9, 1)).expect("ok");
     let st = s.schedule().expect("ok").expect("work");
+    check_step(&s, &st, &mut common);
     assert_eq!(st.query_start_loc, vec![0, 5]);
     apply(&mut s, &st, &mut model);
     s.add(req(2, 6, 1)).expect("ok");
@@ -361,6 +397,61 @@ fn a_uniform_decode_step_has_one_token_per_request() {
     assert_eq!((st.num_decodes, st.num_tokens(), st.num_sampling()), (3, 3, 3));
     assert_eq!(st.sample_rows(), vec![0, 1, 2]);
     assert_eq!(st.positions, vec![5, 5, 5]);
+}
+
+#[test]
+fn table_rows_live_from_admission_to_finish_and_steps_carry_only_new_blocks() {
+    use holdfast_attention::TableKind;
+    let mut s = scheduler(cfg(2, 64, 0), 64, 64);
+    let mut common = common_for(&s);
+    let mut model = FakeModel::new(*s.kv().config());
+    // A: 6 prompt tokens, 6 new; B: 3 and 2; C waits for a row.
+    for r in [req(1, 6, 6), req(2, 3, 2), req(3, 5, 3)] {
+        s.add(r).expect("ok");
+    }
+    let st = s.schedule().expect("ok").expect("work");
+    check_step(&s, &st, &mut common);
+    assert_eq!(st.req_ids, vec![1, 2]);
+    assert_eq!(st.table_rows, vec![0, 1]);
+    assert_eq!(st.released_rows, vec![0, 1], "a fresh scheduler's first step releases every row");
+    let ups: Vec<_> = st.table_updates.iter().map(|u| (u.table, u.row, u.first_col, u.blocks.len())).collect();
+    // Whole rows on admission: A holds 2 SWA blocks (4 tokens each) and 1 main block (8 tokens).
+    assert_eq!(
+        ups,
+        vec![(TableKind::Swa, 0, 0, 2), (TableKind::Kv, 0, 0, 1), (TableKind::Swa, 1, 0, 1), (TableKind::Kv, 1, 0, 1)]
+    );
+    apply(&mut s, &st, &mut model);
+    let mut c_row = None;
+    while let Some(st) = s.schedule().expect("ok") {
+        check_step(&s, &st, &mut common);
+        for (r, &id) in st.req_ids.iter().enumerate() {
+            if id == 1 {
+                assert_eq!(st.table_rows[r], 0, "A keeps its row");
+            }
+            if id == 3 {
+                c_row = Some(st.table_rows[r]);
+            }
+        }
+        for u in st.table_updates.iter() {
+            let id = st.req_ids[st.table_rows.iter().position(|&r| r as usize == u.row).expect("a row of the step")];
+            let held = match u.table {
+                TableKind::Swa => s.kv().swa_blocks(id),
+                TableKind::Kv => s.kv().kv_blocks(id),
+            };
+            // An update holds exactly the blocks past what the row had: the newest ones.
+            assert_eq!(Some(u.blocks), held.map(|h| &h[u.first_col..]), "request {id}");
+            if id == 1 {
+                assert!(u.first_col > 0, "A's row is never written again from the start");
+            }
+        }
+        let decodes_only = st.is_uniform_decode() && !st.req_ids.contains(&3);
+        if decodes_only {
+            let grew = st.seq_lens.iter().any(|&l| (l - 1) % 4 == 0 || (l - 1) % 8 == 0);
+            assert_eq!(st.table_updates.is_empty(), !grew, "decodes write a table only at a block start");
+        }
+        apply(&mut s, &st, &mut model);
+    }
+    assert_eq!(c_row, Some(1), "C is admitted on the row B gave back");
 }
 
 #[test]
@@ -499,7 +590,7 @@ fn update_checks_the_step_and_the_samples_and_changes_nothing_on_error() {
     s.abort_step();
     let again = s.schedule().expect("ok").expect("work");
     assert_eq!(again, st);
-    let sampled = model.run(&again);
+    let sampled = model.run(&s, &again);
     s.update(&again, &sampled).expect("update");
     assert!(matches!(s.update(&again, &sampled), Err(ScheduleError::StaleStep(_))), "applied twice");
     assert_eq!(s.generated(1).map(<[i32]>::len), Some(1));

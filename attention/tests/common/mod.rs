@@ -5,7 +5,8 @@
 pub mod sched;
 
 use holdfast_attention::{
-    c128a_max_compressed, BlockTableConfig, CommonConfig, StepInput, StepLayout, C128A_RATIO, C4A_RATIO,
+    c128a_max_compressed, BlockTableConfig, BlockTableUpdates, CommonConfig, StepInput, StepLayout, TableKind,
+    C128A_RATIO, C4A_RATIO,
 };
 
 /// Unwritten i32 outputs read as this (0x7B7B7B7B), never a plausible index or -1.
@@ -35,25 +36,22 @@ pub fn config(
     swa_bs: usize,
     kv_bs: usize,
 ) -> CommonConfig {
+    let (ws, wk) = (max_model_len.div_ceil(swa_bs), max_model_len.div_ceil(kv_bs));
     CommonConfig {
         max_num_batched_tokens: max_tokens,
         max_num_seqs: max_seqs,
         max_model_len,
         num_spec_tokens: spec,
-        swa_table: BlockTableConfig {
-            block_size: swa_bs,
-            max_blocks_per_seq: max_model_len.div_ceil(swa_bs),
-            num_blocks: 4096,
-        },
-        kv_table: BlockTableConfig {
-            block_size: kv_bs,
-            max_blocks_per_seq: max_model_len.div_ceil(kv_bs),
-            num_blocks: 4096,
-        },
+        swa_table: BlockTableConfig { block_size: swa_bs, max_blocks_per_seq: ws, num_blocks: 4096 },
+        kv_table: BlockTableConfig { block_size: kv_bs, max_blocks_per_seq: wk, num_blocks: 4096 },
+        // Room for every request's whole rows in one step (tests write them at once).
+        max_table_updates: max_seqs * (ws + wk),
     }
 }
 
-/// One step's host inputs, owned.
+/// One step's host inputs, owned. `swa_bt` / `kv_bt` are the spec's full-width per-request rows
+/// (`[num_reqs, max_blocks_per_seq]`, what the references read); the step hands attention only
+/// `table_rows` and `updates`, which [`Batch::set_table_rows`] derives from them.
 #[derive(Clone, Debug)]
 pub struct Batch {
     pub qsl: Vec<i32>,
@@ -62,6 +60,8 @@ pub struct Batch {
     pub slots: Vec<i32>,
     pub swa_bt: Vec<i32>,
     pub kv_bt: Vec<i32>,
+    pub table_rows: Vec<u32>,
+    pub updates: BlockTableUpdates,
     pub reqs_padded: usize,
     pub tokens_padded: usize,
 }
@@ -73,11 +73,27 @@ impl Batch {
             seq_lens: &self.seq_lens,
             positions: &self.positions,
             slot_mapping: &self.slots,
-            swa_block_table: &self.swa_bt,
-            kv_block_table: &self.kv_bt,
+            table_rows: &self.table_rows,
+            table_updates: &self.updates,
             num_reqs_padded: self.reqs_padded,
             num_tokens_padded: self.tokens_padded,
         }
+    }
+    /// Gives request `r` table row `rows[r]` and makes this step's updates write the columns
+    /// each request uses (`ceil(seq_len / block_size)`) of both its rows from `swa_bt` / `kv_bt`.
+    pub fn set_table_rows(&mut self, cfg: &CommonConfig, rows: Vec<u32>) {
+        assert_eq!(rows.len(), self.num_reqs(), "one table row per request");
+        self.updates.clear();
+        for (r, &row) in rows.iter().enumerate() {
+            for (kind, t, table) in
+                [(TableKind::Swa, cfg.swa_table, &self.swa_bt), (TableKind::Kv, cfg.kv_table, &self.kv_bt)]
+            {
+                let w = t.max_blocks_per_seq;
+                let need = (self.seq_lens[r] as usize).div_ceil(t.block_size).min(w);
+                self.updates.push(kind, row as usize, 0, &table[r * w..r * w + need]);
+            }
+        }
+        self.table_rows = rows;
     }
     pub fn num_reqs(&self) -> usize {
         self.qsl.len() - 1
@@ -135,15 +151,61 @@ pub fn random_batch(
     }
     let nr = decodes + prefills;
     let nt = positions.len();
-    Batch {
+    let mut b = Batch {
         qsl,
         seq_lens,
         positions,
         slots,
         swa_bt,
         kv_bt,
+        table_rows: vec![],
+        updates: BlockTableUpdates::new(),
         reqs_padded: (nr + pad_reqs).min(cfg.max_num_seqs),
         tokens_padded: (nt + pad_tokens).min(cfg.max_num_batched_tokens),
+    };
+    b.set_table_rows(cfg, random_rows(rng, cfg.max_num_seqs, nr));
+    b
+}
+
+/// `n` distinct table rows drawn from `[0, max_num_seqs)` in random order.
+pub fn random_rows(rng: &mut Rng, max_num_seqs: usize, n: usize) -> Vec<u32> {
+    let mut all: Vec<u32> = (0..max_num_seqs as u32).collect();
+    for i in (1..all.len()).rev() {
+        all.swap(i, rng.below(i as u64 + 1) as usize);
+    }
+    all.truncate(n);
+    all
+}
+
+/// A decode batch whose host rows (`swa_bt` / `kv_bt`, by batch row) are the spec's tables and
+/// whose table rows are `rows`; `updates` start empty.
+pub fn decode_batch(cfg: &CommonConfig, rng: &mut Rng, seq: &[usize], rows: &[u32], pad: usize) -> Batch {
+    let (ws, wk) = (cfg.swa_table.max_blocks_per_seq, cfg.kv_table.max_blocks_per_seq);
+    let nr = seq.len();
+    let ids =
+        |rng: &mut Rng, n: usize, blocks: usize| (0..n).map(|_| 1 + rng.below(blocks as u64 - 1) as i32).collect();
+    Batch {
+        qsl: (0..=nr as i32).collect(),
+        seq_lens: seq.iter().map(|&s| s as i32).collect(),
+        positions: seq.iter().map(|&s| s as i32 - 1).collect(),
+        slots: (0..nr as i32).collect(),
+        swa_bt: ids(rng, nr * ws, cfg.swa_table.num_blocks),
+        kv_bt: ids(rng, nr * wk, cfg.kv_table.num_blocks),
+        table_rows: rows.to_vec(),
+        updates: BlockTableUpdates::new(),
+        reqs_padded: nr + pad,
+        tokens_padded: nr + pad,
+    }
+}
+
+/// Writes request `r`'s columns `from..` up to what its seq len uses, in both tables.
+pub fn push_used(cfg: &CommonConfig, b: &mut Batch, r: usize, from: [usize; 2]) {
+    for (k, (kind, t)) in [(TableKind::Swa, cfg.swa_table), (TableKind::Kv, cfg.kv_table)].into_iter().enumerate() {
+        let w = t.max_blocks_per_seq;
+        let need = (b.seq_lens[r] as usize).div_ceil(t.block_size);
+        let table = if k == 0 { &b.swa_bt } else { &b.kv_bt };
+        let blocks = table[r * w + from[k]..r * w + need].to_vec();
+        b.updates.push(kind, b.table_rows[r] as usize, from[k], &blocks);
     }
 }
 

@@ -78,11 +78,17 @@ pub fn plan(rng: &mut Rng, cfg: &CommonConfig, reqs: &mut [Req], max_chunk: usiz
         slots: vec![],
         swa_bt: vec![],
         kv_bt: vec![],
+        table_rows: vec![],
+        updates: Default::default(),
         reqs_padded: 0,
         tokens_padded: 0,
     };
     let mut token_req = Vec::new();
+    let mut rows = Vec::new();
+    assert!(reqs.len() <= cfg.max_num_seqs, "one table row per request");
     for &(i, q) in &picks {
+        // Request i keeps table row i for its whole life.
+        rows.push(i as u32);
         let r = &mut reqs[i];
         for p in r.done..r.done + q {
             b.positions.push(p as i32);
@@ -96,6 +102,7 @@ pub fn plan(rng: &mut Rng, cfg: &CommonConfig, reqs: &mut [Req], max_chunk: usiz
         b.kv_bt.extend_from_slice(&r.blocks);
         b.swa_bt.extend(std::iter::repeat_n(0, cfg.swa_table.max_blocks_per_seq));
     }
+    b.set_table_rows(cfg, rows);
     let nt = b.positions.len();
     assert!(nt <= cfg.max_num_batched_tokens, "plan exceeds the token budget");
     b.tokens_padded = (nt + rng.below(max_pad as u64 + 1) as usize).min(cfg.max_num_batched_tokens);
