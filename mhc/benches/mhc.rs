@@ -145,23 +145,22 @@ fn bench(c: &mut Criterion) {
     let tile = std::env::var("HOLDFAST_MHC_TILE").ok().map(|v| v.parse::<usize>().expect("HOLDFAST_MHC_TILE"));
     for hidden in [4096usize, 7168] {
         let cfg = MhcConfig { hc_mult: N, hidden, max_tokens: max_t };
-        let ops = MhcOps::new(&dev, &kernels, cfg).expect("ops").with_tile_tokens(tile).expect("tile");
-        // Where tensor cores run the projection, the portable path is measured beside them.
-        let portable = ops.uses_tensor_cores().then(|| {
-            MhcOps::new(&dev, &kernels, cfg)
-                .expect("ops")
-                .with_projection(MhcProjection::Portable)
-                .with_tile_tokens(tile)
-                .expect("tile")
-        });
+        let with = |p: MhcProjection| {
+            MhcOps::new(&dev, &kernels, cfg).expect("ops").with_projection(p).with_tile_tokens(tile).expect("tile")
+        };
+        // Both paths side by side where the device has tensor cores (the default takes, per op,
+        // the one that measured faster); the portable path alone elsewhere.
+        let tensor = with(MhcProjection::TensorCores);
+        let portable = with(MhcProjection::Portable);
         let bufs = Bufs::new(&dev, &s, hidden, max_t);
         for op in MhcOp::ALL {
             let mut g = c.benchmark_group(format!("{}/H={hidden}", op.name()));
             g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(1));
-            let mut variants = vec![(if ops.uses_tensor_cores() { "tensor_cores" } else { "portable" }, &ops)];
-            if let (Some(p), false) = (&portable, op == MhcOp::Post) {
-                variants.push(("portable", p));
+            let mut variants = vec![];
+            if tensor.uses_tensor_cores(op) {
+                variants.push(("tensor_cores", &tensor));
             }
+            variants.push(("portable", &portable));
             for &t in &ts {
                 let bytes = op.bytes_moved(t, hidden);
                 g.throughput(Throughput::Bytes(bytes));
@@ -180,6 +179,7 @@ fn bench(c: &mut Criterion) {
         }
 
         // hc_head at T = 1 from a graph: the decode-step latency target.
+        let ops = with(MhcProjection::Auto);
         bufs.run(&ops, &s, MhcOp::HcHead, 1);
         s.begin_capture("hc_head T=1").expect("capture");
         bufs.run(&ops, &s, MhcOp::HcHead, 1);

@@ -15,9 +15,10 @@
 //! lane sums and split order, explicit fmas where the reference has them (so the compiler's
 //! contraction changes nothing), and correctly rounded division and square root (no `rsqrtf`).
 //! There a GPU result differs from the reference only where the device `expf` does, a few ulp in
-//! a gate. On NVIDIA sm_80+ the default ([`MhcProjection::Auto`]) runs the projection on tensor
-//! cores instead: its own fixed order, within rounding of the reference (below); everything after
-//! the projection is the same code on both paths.
+//! a gate. On NVIDIA sm_80+ the default ([`MhcProjection::Auto`]) runs `mhc_pre` and the fused op
+//! on tensor cores instead (and [`MhcProjection::TensorCores`] `hc_head` too): the projection in
+//! its own fixed order, within rounding of the reference (below); the gates, Sinkhorn and output
+//! arithmetic are the same code on both paths.
 //!
 //! ## Precision policy
 //! - bf16 storage, f32 arithmetic; every bf16 input converts exactly; outputs round to nearest
@@ -49,7 +50,7 @@
 //! the next, graph replays included.
 //!
 //! ## Kernel design (memory-bound; one launch per op)
-//! - `hc_head`, `mhc_pre`, `mhc_fused_post_pre` on tensor cores (NVIDIA sm_80+): blocks of 256
+//! - `mhc_pre`, `mhc_fused_post_pre` (and `hc_head` when asked) on tensor cores (NVIDIA sm_80+): blocks of 256
 //!   threads, one *resident item* per (tile of up to 32 (`hc_head`) or 64 tokens, split of 256
 //!   `h`). Each warp owns 32 `h` of all 4 streams and holds its weights as mma fragments; the
 //!   tile's rows are copied into shared memory with `cp.async` (three or four m-tiles of 16 ahead)

@@ -21,14 +21,20 @@ pub struct MhcConfig {
     pub max_tokens: usize,
 }
 
-/// The kernel path of the projection (the `x · fnᵀ` reduction) in `hc_head`, `mhc_pre` and
-/// `mhc_fused_post_pre`.
+/// The kernel path of the split-reduction ops (`hc_head`, `mhc_pre`, `mhc_fused_post_pre`): the
+/// tensor-core resident items or the portable projection + finish items.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MhcProjection {
-    /// Tensor cores on NVIDIA sm_80+ (bf16 `mma.sync`, f32 accumulation, each `fn` weight split
-    /// into two bf16 terms that carry it to about 2^-17 relative), the portable path elsewhere.
+    /// What measured fastest on an H200: tensor cores for `mhc_pre` and the fused op (1.3–1.6×
+    /// the portable path at T ≥ 1024), the portable path for `hc_head` (faster at T = 1 and at
+    /// T = 16384; its projection has 4 outputs, not 24). The portable path everywhere on devices
+    /// without bf16 `mma.sync`.
     #[default]
     Auto,
+    /// Tensor cores for all three ops where the device has them (bf16 `mma.sync`, f32
+    /// accumulation, each `fn` weight split into two bf16 terms that carry it to about 2⁻¹⁷
+    /// relative).
+    TensorCores,
     /// f32 fused multiply-adds in the CPU reference's order on every device.
     Portable,
 }
@@ -115,23 +121,27 @@ impl MhcOps {
         let sync = device.alloc_zeroed::<u32>("mhc.sync", 1 + 2 * t, true)?;
         let units = (device.info().compute_units as usize).max(1);
         let has_mma = device.info().has_bf16_mma();
-        let shape = plan::ReduceShape { mma: has_mma, tile_tokens: None };
+        let shape = plan::ReduceShape { mma: has_mma, head_mma: false, tile_tokens: None };
         Ok(MhcOps { kernels: kernels.clone(), config, units, shape, has_mma, partials, sync })
     }
 
-    /// Chooses the projection kernel path: [`MhcProjection::Auto`] (the default) takes tensor
-    /// cores where the device has them; [`MhcProjection::Portable`] always takes the portable
-    /// FMA path (the reference's own order of operations).
+    /// Chooses the split-reduction ops' kernel path ([`MhcProjection`]; `Auto` by default).
     pub fn with_projection(mut self, projection: MhcProjection) -> Self {
-        self.shape.mma = projection == MhcProjection::Auto && self.has_mma;
+        self.shape.mma = projection != MhcProjection::Portable && self.has_mma;
+        self.shape.head_mma = projection == MhcProjection::TensorCores && self.has_mma;
         self
     }
 
-    /// Whether the split-reduction ops run on tensor cores (resident items): [`MhcProjection::Auto`]
-    /// on an sm_80+ device that holds twice the `ceil(H / 256)` blocks a tile's items need at
-    /// once (every H up to 16896 on an H200).
-    pub fn uses_tensor_cores(&self) -> bool {
-        self.shape.mma && plan::resident_fits(self.config.hidden, self.units)
+    /// Whether `op` runs on tensor cores (resident items): its [`MhcProjection`] choice, on an
+    /// sm_80+ device that holds twice the `ceil(H / 256)` blocks a tile's items need at once
+    /// (every H up to 16896 on an H200). Never for `mhc_post`, which has no reduction.
+    pub fn uses_tensor_cores(&self, op: MhcOp) -> bool {
+        let chosen = match op {
+            MhcOp::HcHead => self.shape.head_mma,
+            MhcOp::Pre | MhcOp::FusedPostPre => self.shape.mma,
+            MhcOp::Post => false,
+        };
+        chosen && plan::resident_fits(self.config.hidden, self.units)
     }
 
     /// Forces the tokens per projection tile (`1..=128`; `None`: the plan's choice, a function of

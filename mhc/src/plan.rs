@@ -106,8 +106,10 @@ pub(crate) struct ReducePlan {
 /// How the projection items run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ReduceShape {
-    /// Tensor cores (resident items where [`resident_fits`]).
+    /// Tensor cores for `mhc_pre` and the fused op (resident items where [`resident_fits`]).
     pub mma: bool,
+    /// Tensor cores for `hc_head`, likewise.
+    pub head_mma: bool,
     /// Tokens per tile forced by the caller (`1..=128`), else the plan's choice.
     pub tile_tokens: Option<usize>,
 }
@@ -122,7 +124,8 @@ pub(crate) struct ReduceShape {
 pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, shape: ReduceShape) -> ReducePlan {
     let s = splits(hidden);
     let units = units.max(1);
-    if shape.mma && resident_fits(hidden, units) {
+    let mma = if kind == Reduce::Head { shape.head_mma } else { shape.mma };
+    if mma && resident_fits(hidden, units) {
         let cap = kind.resident_tile_max().min(MMA_ROWS * s).min(TILE_MAX);
         let tile = match shape.tile_tokens {
             Some(t) => t.clamp(1, cap),
@@ -193,7 +196,13 @@ mod tests {
                         (132, true, Some(48)),
                         (132, true, Some(1000)),
                     ] {
-                        let p = reduce(kind, tokens, hidden, units, ReduceShape { mma, tile_tokens: forced });
+                        let p = reduce(
+                            kind,
+                            tokens,
+                            hidden,
+                            units,
+                            ReduceShape { mma, head_mma: mma, tile_tokens: forced },
+                        );
                         let s = splits(hidden);
                         assert!(p.tile_tokens >= 1 && p.tile_tokens <= TILE_MAX);
                         assert!(p.tiles * p.tile_tokens >= tokens && (p.tiles - 1) * p.tile_tokens < tokens);

@@ -408,8 +408,8 @@ fn fused_post_pre_matches_its_reference_the_f64_spec_and_post_then_pre(dev: &Dev
 
 // ---- projection paths and tiles -------------------------------------------------------------------
 
-/// Tensor cores where the device has them (else the portable path), the portable path forced, and
-/// forced tiles of 1, 16, 48 and 128 tokens: each path matches the reference (bit for bit on the
+/// The default paths, tensor cores for every op where the device has them, the portable path
+/// forced, and forced tiles of 1, 16, 48 and 128 tokens: each path matches the reference (bit for bit on the
 /// CPU backend), and within a path every tile gives the same bits (a token's reduction order is a
 /// function of H alone).
 fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(dev: &Device) {
@@ -441,10 +441,15 @@ fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(
         .expect("reference");
         let pre_f64 = common::pre_f64(&residual, &w_pre, hidden, &pp);
         let fused_f64 = common::fused_f64(&inp, &w_pre, hidden, &pp).1;
-        for projection in [MhcProjection::Auto, MhcProjection::Portable] {
+        for projection in [MhcProjection::Auto, MhcProjection::TensorCores, MhcProjection::Portable] {
             let base = fx.ops(hidden, t).with_projection(projection);
-            let tc = projection == MhcProjection::Auto && dev.info().has_bf16_mma();
-            assert_eq!(base.uses_tensor_cores(), tc, "{projection:?} on {}", dev.info().arch);
+            let mma = dev.info().has_bf16_mma();
+            let tc = projection != MhcProjection::Portable && mma;
+            assert_eq!(base.uses_tensor_cores(MhcOp::Pre), tc, "{projection:?} on {}", dev.info().arch);
+            assert_eq!(base.uses_tensor_cores(MhcOp::FusedPostPre), tc, "{projection:?}");
+            let head_tc = projection == MhcProjection::TensorCores && mma;
+            assert_eq!(base.uses_tensor_cores(MhcOp::HcHead), head_tc, "{projection:?}");
+            assert!(!base.uses_tensor_cores(MhcOp::Post));
             let mut first: Option<Vec<u32>> = None;
             for tile in [None, Some(1), Some(16), Some(48), Some(128)] {
                 let what = format!("H={hidden} T={t} {projection:?} tile {tile:?}");
