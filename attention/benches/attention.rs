@@ -17,150 +17,15 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use holdfast_attention::sim::{admitted, DecodeBatch, XorShift};
 use holdfast_attention::{
-    BlockTableConfig, BlockTableUpdates, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, StepInput,
-    SwaBuilder, TableKind,
+    BlockTableConfig, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, SwaBuilder,
 };
 use holdfast_hal::{BackendKind, Device, Stream};
 
 const ROWS: [usize; 5] = [1, 8, 64, 256, 1024];
 const WINDOW: usize = 128;
 const TOPK: usize = 512;
-
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
-}
-
-/// Requests admitted in the admission step of a batch of `rows`.
-fn admitted(rows: usize) -> usize {
-    (rows / 64).max(1)
-}
-
-/// A decode batch of `rows` requests on table rows `0..rows`, one token each per step; a table
-/// gets a request's next block only when its new token starts one.
-struct Decode {
-    cfg: CommonConfig,
-    rng: Rng,
-    qsl: Vec<i32>,
-    seq: Vec<i32>,
-    pos: Vec<i32>,
-    slots: Vec<i32>,
-    table_rows: Vec<u32>,
-    /// Each request's blocks, per table (what its device rows hold).
-    blocks: [Vec<Vec<i32>>; 2],
-    updates: BlockTableUpdates,
-}
-
-impl Decode {
-    fn new(cfg: CommonConfig, seed: u64, rows: usize) -> Decode {
-        let mut d = Decode {
-            cfg,
-            rng: Rng(seed),
-            qsl: (0..=rows as i32).collect(),
-            seq: vec![0; rows],
-            pos: vec![0; rows],
-            slots: (0..rows as i32).collect(),
-            table_rows: (0..rows as u32).collect(),
-            blocks: [vec![Vec::new(); rows], vec![Vec::new(); rows]],
-            updates: BlockTableUpdates::new(),
-        };
-        for r in 0..rows {
-            d.fresh(r);
-        }
-        d
-    }
-
-    fn tables(&self) -> [(TableKind, BlockTableConfig); 2] {
-        [(TableKind::Swa, self.cfg.swa_table), (TableKind::Kv, self.cfg.kv_table)]
-    }
-
-    /// Request `r` becomes a fresh one with a random context (its rows are to be written whole).
-    fn fresh(&mut self, r: usize) {
-        self.seq[r] = 1 + self.rng.below(self.cfg.max_model_len as u64 / 2) as i32;
-        for (k, (_, t)) in self.tables().into_iter().enumerate() {
-            let need = (self.seq[r] as usize).div_ceil(t.block_size);
-            self.blocks[k][r] = (0..need).map(|_| 1 + self.rng.below(t.num_blocks as u64 - 1) as i32).collect();
-        }
-        self.pos[r] = self.seq[r] - 1;
-    }
-
-    /// Writes every request's whole rows into the tables: steps without requests, each at most
-    /// `max_table_updates` cells.
-    fn fill(&mut self, common: &mut CommonAttentionMetadata, s: &Stream) {
-        let rows = self.seq.len();
-        let mut r = 0;
-        while r < rows {
-            self.updates.clear();
-            while r < rows
-                && self.updates.cells() + self.blocks[0][r].len() + self.blocks[1][r].len()
-                    <= self.cfg.max_table_updates
-            {
-                for (k, (kind, _)) in self.tables().into_iter().enumerate() {
-                    self.updates.push(kind, r, 0, &self.blocks[k][r]);
-                }
-                r += 1;
-            }
-            let input = StepInput {
-                query_start_loc: &[0],
-                seq_lens: &[],
-                positions: &[],
-                slot_mapping: &[],
-                table_rows: &[],
-                table_updates: &self.updates,
-                num_reqs_padded: 1,
-                num_tokens_padded: 1,
-            };
-            common.stage(&input).expect("fill");
-            common.upload(s).expect("upload");
-            s.synchronize().expect("sync");
-        }
-    }
-
-    /// The next decode step; requests `0..admit` are replaced by fresh ones (rows released and
-    /// written whole). A request near `max_model_len` starts over as a fresh one too.
-    fn advance(&mut self, admit: usize, common: &mut CommonAttentionMetadata) {
-        self.updates.clear();
-        for r in 0..self.seq.len() {
-            if r < admit || self.seq[r] as usize >= self.cfg.max_model_len {
-                common.release_table_row(r).expect("release");
-                self.fresh(r);
-                for (k, (kind, _)) in self.tables().into_iter().enumerate() {
-                    self.updates.push(kind, r, 0, &self.blocks[k][r]);
-                }
-                continue;
-            }
-            self.seq[r] += 1;
-            let p = self.seq[r] as usize - 1;
-            for (k, (kind, t)) in self.tables().into_iter().enumerate() {
-                if p.is_multiple_of(t.block_size) {
-                    let id = 1 + self.rng.below(t.num_blocks as u64 - 1) as i32;
-                    self.blocks[k][r].push(id);
-                    self.updates.push(kind, r, p / t.block_size, &[id]);
-                }
-            }
-            self.pos[r] = p as i32;
-        }
-    }
-
-    fn input(&self) -> StepInput<'_> {
-        StepInput {
-            query_start_loc: &self.qsl,
-            seq_lens: &self.seq,
-            positions: &self.pos,
-            slot_mapping: &self.slots,
-            table_rows: &self.table_rows,
-            table_updates: &self.updates,
-            num_reqs_padded: self.seq.len(),
-            num_tokens_padded: self.seq.len(),
-        }
-    }
-}
 
 struct Rig {
     dev: Device,
@@ -192,7 +57,7 @@ impl Rig {
                 + kv_table.growth_cells(t, n)
                 + admitted(n) * (swa_table.max_blocks_per_seq + kv_table.max_blocks_per_seq),
         };
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        let mut rng = XorShift::new(0x9e37_79b9_7f4a_7c15);
         let topk_h: Vec<i32> =
             (0..cfg.max_num_batched_tokens * TOPK).map(|_| rng.below((max_model_len / 4) as u64) as i32).collect();
         Rig {
@@ -214,13 +79,13 @@ impl Rig {
     }
 
     /// Stage + upload of the batch's current step.
-    fn stage_upload(&mut self, b: &Decode) -> usize {
+    fn stage_upload(&mut self, b: &DecodeBatch) -> usize {
         self.common.stage(&b.input()).expect("stage");
         self.common.upload(&self.s).expect("upload")
     }
 
     /// One step: stage + upload + the three builds (what the model runner does per decode step).
-    fn step(&mut self, b: &Decode) -> usize {
+    fn step(&mut self, b: &DecodeBatch) -> usize {
         self.stage_upload(b) + self.builds()
     }
 }
@@ -229,15 +94,15 @@ impl Rig {
 /// the stream is synchronised outside the timed region unless `sync_inside`.
 fn timed_steps(
     rig: &mut Rig,
-    b: &mut Decode,
+    b: &mut DecodeBatch,
     admit: usize,
     iters: u64,
     sync_inside: bool,
-    op: fn(&mut Rig, &Decode) -> usize,
+    op: fn(&mut Rig, &DecodeBatch) -> usize,
 ) -> Duration {
     let mut total = Duration::ZERO;
     for _ in 0..iters {
-        b.advance(admit, &mut rig.common);
+        b.advance(admit, &mut rig.common).expect("advance");
         let t = Instant::now();
         black_box(op(rig, b));
         if sync_inside {
@@ -265,9 +130,9 @@ fn bench(c: &mut Criterion) {
     g.sample_size(10).warm_up_time(Duration::from_millis(300)).measurement_time(Duration::from_secs(2));
     for rows in ROWS {
         rig.common.release_all_table_rows();
-        let mut b = Decode::new(cfg, 42 + rows as u64, rows);
-        b.fill(&mut rig.common, &rig.s);
-        b.advance(0, &mut rig.common);
+        let mut b = DecodeBatch::new(cfg, 42 + rows as u64, rows);
+        b.fill(&mut rig.common, &rig.s).expect("fill");
+        b.advance(0, &mut rig.common).expect("advance");
         let syncs = rig.dev.stats().host_syncs;
         let launches = rig.step(&b);
         assert_eq!(rig.dev.stats().host_syncs, syncs, "a build never syncs");

@@ -49,6 +49,7 @@ pub mod compressor;
 mod error;
 pub mod indexer;
 mod layer;
+pub mod sim;
 pub mod source;
 mod sparse_attention;
 mod swa;

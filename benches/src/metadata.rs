@@ -9,11 +9,11 @@
 
 use std::time::Instant;
 
+use holdfast_attention::sim::{admitted, DecodeBatch, XorShift};
 use holdfast_attention::{
-    BlockTableConfig, BlockTableUpdates, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, StepInput,
-    SwaBuilder, TableKind,
+    BlockTableConfig, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, SwaBuilder,
 };
-use holdfast_hal::{Buffer, Stream};
+use holdfast_hal::Buffer;
 
 use crate::ctx::Ctx;
 use crate::error::Result;
@@ -26,150 +26,6 @@ pub const SECTION: &str = "metadata";
 pub const HOST_TARGET_US: f64 = 10.0;
 const WINDOW: usize = 128;
 const TOPK: usize = 512;
-
-struct Rng(u64);
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n.max(1)
-    }
-}
-
-/// Requests admitted in the admission step of a batch of `rows`.
-fn admitted(rows: usize) -> usize {
-    (rows / 64).max(1)
-}
-
-/// A decode batch of `rows` requests on table rows `0..rows`, one token each per step.
-struct Decode {
-    cfg: CommonConfig,
-    rng: Rng,
-    qsl: Vec<i32>,
-    seq: Vec<i32>,
-    pos: Vec<i32>,
-    slots: Vec<i32>,
-    table_rows: Vec<u32>,
-    /// Each request's blocks, per table (what its device rows hold).
-    blocks: [Vec<Vec<i32>>; 2],
-    updates: BlockTableUpdates,
-}
-
-impl Decode {
-    fn new(cfg: CommonConfig, seed: u64, rows: usize) -> Decode {
-        let mut d = Decode {
-            cfg,
-            rng: Rng(seed),
-            qsl: (0..=rows as i32).collect(),
-            seq: Vec::new(),
-            pos: vec![0; rows],
-            slots: (0..rows as i32).collect(),
-            table_rows: (0..rows as u32).collect(),
-            blocks: [vec![Vec::new(); rows], vec![Vec::new(); rows]],
-            updates: BlockTableUpdates::new(),
-        };
-        for r in 0..rows {
-            d.fresh(r);
-        }
-        d
-    }
-
-    fn tables(&self) -> [(TableKind, BlockTableConfig); 2] {
-        [(TableKind::Swa, self.cfg.swa_table), (TableKind::Kv, self.cfg.kv_table)]
-    }
-
-    /// Request `r` becomes a fresh one with a random context (its rows are to be written whole).
-    fn fresh(&mut self, r: usize) {
-        // Room for the steps that follow.
-        let s = 1 + self.rng.below(self.cfg.max_model_len as u64 - 256) as i32;
-        if r < self.seq.len() {
-            self.seq[r] = s;
-        } else {
-            self.seq.push(s);
-        }
-        for (k, (_, t)) in self.tables().into_iter().enumerate() {
-            let need = (s as usize).div_ceil(t.block_size);
-            let ids = (0..need).map(|_| 1 + self.rng.below(t.num_blocks as u64 - 1) as i32).collect();
-            self.blocks[k][r] = ids;
-        }
-    }
-
-    /// Writes every request's whole rows into `common`'s tables: steps without requests, each
-    /// at most `max_table_updates` cells.
-    fn fill(&mut self, common: &mut CommonAttentionMetadata, s: &Stream) -> Result<()> {
-        let rows = self.seq.len();
-        let mut r = 0;
-        while r < rows {
-            self.updates.clear();
-            while r < rows {
-                let cells = self.blocks[0][r].len() + self.blocks[1][r].len();
-                if self.updates.cells() + cells > self.cfg.max_table_updates {
-                    break;
-                }
-                for (k, (kind, _)) in self.tables().into_iter().enumerate() {
-                    self.updates.push(kind, r, 0, &self.blocks[k][r]);
-                }
-                r += 1;
-            }
-            let input = StepInput {
-                query_start_loc: &[0],
-                seq_lens: &[],
-                positions: &[],
-                slot_mapping: &[],
-                table_rows: &[],
-                table_updates: &self.updates,
-                num_reqs_padded: 1,
-                num_tokens_padded: 1,
-            };
-            common.stage(&input)?;
-            common.upload(s)?;
-            s.synchronize()?;
-        }
-        Ok(())
-    }
-
-    /// The next decode step: every request decodes one token; a table gets the request's next
-    /// block when that token starts one. Requests `0..admit` are replaced by fresh ones (their
-    /// table rows released and written whole).
-    fn advance(&mut self, admit: usize, common: &mut CommonAttentionMetadata) -> Result<()> {
-        self.updates.clear();
-        for r in 0..self.seq.len() {
-            if r < admit {
-                common.release_table_row(r)?;
-                self.fresh(r);
-                for (k, (kind, _)) in self.tables().into_iter().enumerate() {
-                    self.updates.push(kind, r, 0, &self.blocks[k][r]);
-                }
-            } else {
-                self.seq[r] += 1;
-                let p = self.seq[r] as usize - 1;
-                for (k, (kind, t)) in self.tables().into_iter().enumerate() {
-                    if p.is_multiple_of(t.block_size) {
-                        let id = 1 + self.rng.below(t.num_blocks as u64 - 1) as i32;
-                        self.blocks[k][r].push(id);
-                        self.updates.push(kind, r, p / t.block_size, &[id]);
-                    }
-                }
-            }
-            self.pos[r] = self.seq[r] - 1;
-        }
-        Ok(())
-    }
-
-    fn input(&self) -> StepInput<'_> {
-        StepInput {
-            query_start_loc: &self.qsl,
-            seq_lens: &self.seq,
-            positions: &self.pos,
-            slot_mapping: &self.slots,
-            table_rows: &self.table_rows,
-            table_updates: &self.updates,
-            num_reqs_padded: self.seq.len(),
-            num_tokens_padded: self.seq.len(),
-        }
-    }
-}
 
 /// Decode rows per step measured.
 pub fn rows(ctx: &Ctx) -> Vec<usize> {
@@ -204,7 +60,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let swa = SwaBuilder::new(&dev, &cfg, WINDOW)?;
     let c128a = C128aBuilder::new(&dev, &cfg)?;
     let c4a = C4aBuilder::new(&dev, &cfg, TOPK)?;
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = XorShift::new(0x9e37_79b9_7f4a_7c15);
     let topk_h: Vec<i32> = (0..max_rows * TOPK).map(|_| rng.below((max_model_len / 4) as u64) as i32).collect();
     let topk: Buffer<i32> = dev.alloc_from_slice("indexer.topk", &topk_h, true)?;
     let tv = topk.view();
@@ -213,7 +69,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let mut out = Vec::new();
     for rows in rows(ctx) {
         common.release_all_table_rows();
-        let mut batch = Decode::new(cfg, rng.below(u64::MAX) | 1, rows);
+        let mut batch = DecodeBatch::new(cfg, rng.below(u64::MAX) | 1, rows);
         batch.fill(&mut common, s)?;
         // Steady decode steps, then admission steps. [stage + upload, swa, c128a, c4a] host µs;
         // syncs per builder; device µs.
