@@ -404,6 +404,14 @@ impl ModelForward {
         Ok(())
     }
 
+    /// Applies, on `s`, the block-table updates of the staged step that exceed the fixed-size part
+    /// every upload carries ([`holdfast_attention::CommonAttentionMetadata::apply_bulk_table_updates`]):
+    /// a graph replay's captured upload only carries the fixed-size part, so the runner calls this
+    /// before every step (a no-op, returning 0, when nothing is pending).
+    pub fn apply_pending_table_updates(&self, s: &Stream) -> Result<usize> {
+        Ok(self.common.apply_bulk_table_updates(s)?)
+    }
+
     /// The sampled token of each of the first `rows` sample rows of the last step (syncs).
     pub fn read_tokens(&self, s: &Stream, rows: usize) -> Result<Vec<i32>> {
         Ok(s.copy_to_host_sync(&self.arena.view::<i32>(buf::TOKENS, rows)?)?)

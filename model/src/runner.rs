@@ -326,6 +326,8 @@ impl ModelRunner {
             ModeSet::EMPTY,
         )?;
         self.runner.forward_mut().stage_step(step, d.descriptor.num_tokens as usize)?;
+        // Updates too large for the captured upload's fixed-size part go out eagerly first.
+        self.runner.forward().apply_pending_table_updates(&self.stream)?;
         self.runner.execute(&self.stream, d.mode, &d.descriptor)?;
         let host_seconds = t0.elapsed().as_secs_f64();
         let rows = step.num_sampling();
