@@ -46,20 +46,50 @@ fn nvrtc_err(call: &'static str, e: cudarc::nvrtc::result::NvrtcError) -> HalErr
 }
 
 /// Compiles `src` for `arch` (e.g. `sm_90`) with warp width `warp`; returns (CUBIN, PTX). Needs
-/// NVRTC only, no GPU or driver.
+/// NVRTC only, no GPU or driver. Always runs NVRTC (the module loads of a device go through the
+/// on-disk cache, [`super::kernel_cache_dir`]).
 pub fn compile(src: &KernelSource, arch: &str, warp: u32) -> Result<(Vec<u8>, Vec<u8>)> {
     let c = compile_inner(src, arch, warp)?;
     Ok((c.cubin, c.ptx))
 }
 
+fn options(arch: &str, warp: u32) -> Vec<String> {
+    vec![format!("-arch={arch}"), "--std=c++17".to_string(), format!("-DHF_WARP_SIZE={warp}"), "-lineinfo".to_string()]
+}
+
+/// [`compile_inner`] through the on-disk cache ([`super::kcache`]): a hit skips NVRTC.
+pub(crate) fn compile_cached(src: &KernelSource, arch: &str, warp: u32) -> Result<Compiled> {
+    compile_cached_in(src, arch, warp, super::kcache::kernel_cache_dir().as_deref()).map(|(c, _)| c)
+}
+
+/// [`compile_cached`] with the cache at `dir` (`None`: no cache); also says whether it was a hit.
+fn compile_cached_in(
+    src: &KernelSource,
+    arch: &str,
+    warp: u32,
+    dir: Option<&std::path::Path>,
+) -> Result<(Compiled, bool)> {
+    require_nvrtc()?;
+    let Some(dir) = dir else {
+        return Ok((compile_inner(src, arch, warp)?, false));
+    };
+    let key = super::kcache::key(&full_source(src), &options(arch, warp), nvrtc_version()?);
+    if let Some(hit) = super::kcache::load(dir, &key) {
+        return Ok((hit, true));
+    }
+    let c = compile_inner(src, arch, warp)?;
+    super::kcache::store(dir, &key, &c);
+    Ok((c, false))
+}
+
+/// One NVRTC compilation of `src` (never cached).
 pub(crate) fn compile_inner(src: &KernelSource, arch: &str, warp: u32) -> Result<Compiled> {
     require_nvrtc()?;
     let fail = |log: String| HalError::Compile { source_name: src.name.to_string(), arch: arch.to_string(), log };
     let text = CString::new(full_source(src)).map_err(|_| fail("kernel source contains a NUL byte".into()))?;
     let name = CString::new(format!("{}.cu", src.name)).map_err(|_| fail("kernel name contains a NUL byte".into()))?;
     let prog = nvrtc::create_program(&text, Some(&name)).map_err(|e| nvrtc_err("nvrtcCreateProgram", e))?;
-    let opts =
-        [format!("-arch={arch}"), "--std=c++17".to_string(), format!("-DHF_WARP_SIZE={warp}"), "-lineinfo".to_string()];
+    let opts = options(arch, warp);
     // SAFETY: `prog` is a live program; options are valid C strings.
     let res = unsafe { nvrtc::compile_program(prog, &opts) };
     // SAFETY: `prog` is live; the log is NUL-terminated.
@@ -91,4 +121,55 @@ pub(crate) fn compile_inner(src: &KernelSource, arch: &str, warp: u32) -> Result
     // SAFETY: `prog` is live and destroyed exactly once.
     let _ = unsafe { nvrtc::destroy_program(prog) };
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernel::{KernelEntry, Param, ScalarKind};
+
+    fn noop(_: &crate::cpu::CpuLaunch<'_>) -> Result<()> {
+        Ok(())
+    }
+
+    fn source(code: &'static str) -> KernelSource {
+        KernelSource {
+            name: "kcache_probe",
+            code,
+            entries: vec![KernelEntry {
+                name: "kcache_probe",
+                params: vec![Param::output::<f32>("y"), Param::scalar("n", ScalarKind::U32)],
+                cpu: noop,
+            }],
+        }
+    }
+
+    /// A second compile of the same source from the cache gives the same bytes without NVRTC; a
+    /// changed source, architecture or warp width is a miss.
+    #[test]
+    fn the_disk_cache_returns_what_nvrtc_produced_and_misses_on_any_change() {
+        if let Some(reason) = nvrtc_unavailable_reason() {
+            assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here: {reason}");
+            eprintln!("skipped: NVRTC is not available ({reason})");
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("holdfast-kcache-nvrtc-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let a =
+            source("HF_KERNEL void kcache_probe(float* y, uint32_t n) { if (threadIdx.x < n) y[threadIdx.x] = 1.0f; }");
+        let (first, hit) = compile_cached_in(&a, "sm_90", 32, Some(&dir)).expect("compile");
+        assert!(!hit && !first.cubin.is_empty());
+        let (again, hit) = compile_cached_in(&a, "sm_90", 32, Some(&dir)).expect("cached");
+        assert!(hit, "the second compile is a hit");
+        assert_eq!((&again.cubin, &again.ptx), (&first.cubin, &first.ptx));
+        let fresh = compile_inner(&a, "sm_90", 32).expect("nvrtc");
+        assert_eq!(fresh.ptx, first.ptx, "the cached PTX is NVRTC's");
+        let b =
+            source("HF_KERNEL void kcache_probe(float* y, uint32_t n) { if (threadIdx.x < n) y[threadIdx.x] = 2.0f; }");
+        assert!(!compile_cached_in(&b, "sm_90", 32, Some(&dir)).expect("b").1, "changed source");
+        assert!(!compile_cached_in(&a, "sm_80", 32, Some(&dir)).expect("sm_80").1, "changed architecture");
+        assert!(!compile_cached_in(&a, "sm_90", 64, Some(&dir)).expect("warp 64").1, "changed warp width");
+        assert!(!compile_cached_in(&a, "sm_90", 32, None).expect("no cache").1);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

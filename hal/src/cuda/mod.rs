@@ -20,11 +20,13 @@
 
 pub(crate) mod comm;
 mod compile;
+mod kcache;
 mod loader;
 mod nccl;
 
 pub(crate) use comm::CudaComm;
 pub use compile::{compile, nvrtc_unavailable_reason, nvrtc_version};
+pub use kcache::{kernel_cache_dir, KERNEL_CACHE_ENV};
 
 use std::ffi::{c_void, CString};
 use std::sync::Arc;
@@ -159,7 +161,7 @@ impl DeviceOps for CudaDevice {
     }
 
     fn compile(&self, src: &KernelSource) -> Result<Vec<KernelImpl>> {
-        let compiled = compile::compile_inner(src, &self.arch, 32)?;
+        let compiled = compile::compile_cached(src, &self.arch, 32)?;
         self.bind()?;
         let module = load_module(&compiled.cubin).or_else(|cubin_err| {
             load_module(&compiled.ptx).map_err(|ptx_err| HalError::Compile {
