@@ -11,13 +11,14 @@ use std::time::Instant;
 
 use holdfast_attention::sim::{admitted, DecodeBatch, XorShift};
 use holdfast_attention::{
-    BlockTableConfig, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, SwaBuilder,
+    c128a_max_compressed, BlockTableConfig, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, StepInput,
+    SwaBuilder,
 };
 use holdfast_hal::Buffer;
 
 use crate::ctx::Ctx;
 use crate::error::Result;
-use crate::report::{Row, Target};
+use crate::report::{Bound, Row, Target};
 use crate::timing::median;
 
 /// Section name.
@@ -26,6 +27,31 @@ pub const SECTION: &str = "metadata";
 pub const HOST_TARGET_US: f64 = 10.0;
 const WINDOW: usize = 128;
 const TOPK: usize = 512;
+
+/// The device traffic of one decode step's upload and three builds, bytes: what the builders
+/// must read and write for `input`'s rows, by their output layout. Per row at position `p`: SWA
+/// reads the block-table entries of its window and writes its dense `[WINDOW]` row and
+/// `min(p + 1, WINDOW)` ragged entries; c128a reads the table entry of every other compressed
+/// entry (two per 256-token block) and writes its dense row of `width` entries and
+/// `n = min((p + 1) / 128, width)` ragged ones; c4a reads its top-k row twice (count, then pack)
+/// and one table entry per selected index, and writes them ragged; each writes a length and an
+/// indptr entry; the upload copies the per-request and per-token fields and the update cells.
+pub fn step_bytes(input: &StepInput<'_>, cfg: &CommonConfig) -> u64 {
+    let width = c128a_max_compressed(cfg.max_model_len) as u64;
+    let (w, k, i) = (WINDOW as u64, TOPK as u64, 4u64);
+    let mut bytes = (input.seq_lens.len() as u64 * 3 + input.positions.len() as u64 * 3) * i
+        + input.table_updates.cells() as u64 * 2 * i;
+    for &p in input.positions {
+        let p = p.max(0) as u64;
+        let swa = (p + 1).min(w);
+        bytes += (swa.div_ceil(cfg.swa_table.block_size as u64) + 1) * i + (w + swa + 2) * i;
+        let n = ((p + 1) / 128).min(width);
+        bytes += n.div_ceil(2) * i + (width + n + 2) * i;
+        let kept = k.min((p + 1) / 4);
+        bytes += 2 * k * i + kept * i + (kept + 2) * i;
+    }
+    bytes
+}
 
 /// Decode rows per step measured.
 pub fn rows(ctx: &Ctx) -> Vec<usize> {
@@ -156,12 +182,58 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
                 );
             }
             if gpu {
-                out.push(
+                let mut r =
                     Row::timed(SECTION, format!("upload + 3 builds, device, rows={rows}"), median(&mut device), steps)
-                        .with_note("events around upload and the builds (includes host enqueue gaps)"),
-                );
+                        .with_note("events around upload and the builds (includes host enqueue gaps)")
+                        .with_bytes(step_bytes(&batch.input(), &cfg))
+                        .with_bound(Bound::Copy);
+                if rows == 1024 {
+                    // Within 2× of the bytes at the copy rate.
+                    r = r.with_target(Target::FractionAtLeast(0.5));
+                }
+                out.push(r);
             }
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use holdfast_attention::BlockTableUpdates;
+
+    #[test]
+    fn step_bytes_follow_the_builders_layout() {
+        let table = |bs: usize| BlockTableConfig { block_size: bs, max_blocks_per_seq: 1 << 14, num_blocks: 1 << 20 };
+        let cfg = CommonConfig {
+            max_num_batched_tokens: 4,
+            max_num_seqs: 4,
+            max_model_len: 1 << 20,
+            num_spec_tokens: 0,
+            swa_table: table(64),
+            kv_table: table(256),
+            max_table_updates: 64,
+        };
+        let upd = BlockTableUpdates::new();
+        let input = |pos: &'static [i32], seq: &'static [i32]| StepInput {
+            query_start_loc: &[0, 1],
+            seq_lens: seq,
+            positions: pos,
+            slot_mapping: &[0],
+            table_rows: &[0],
+            table_updates: &upd,
+            num_reqs_padded: 1,
+            num_tokens_padded: 1,
+        };
+        // Position 0: SWA 1 entry (2 table reads), c128a none, c4a none; dense rows written whole.
+        let fields = 6 * 4;
+        let swa = 2 * 4 + (128 + 1 + 2) * 4;
+        let c128a = (8192 + 2) * 4;
+        let c4a = 2 * 512 * 4 + 2 * 4;
+        assert_eq!(step_bytes(&input(&[0], &[1]), &cfg), (fields + swa + c128a + c4a) as u64);
+        // Deep in a 1M context the dense c128a row and its ragged copy dominate.
+        let deep = step_bytes(&input(&[1 << 19], &[(1 << 19) + 1]), &cfg);
+        assert!(deep > 8192 * 4 + 4096 * 4 && deep < 80_000, "{deep}");
+    }
 }
