@@ -1,6 +1,8 @@
 //! mHC op benches on the device named by `HOLDFAST_DEVICE` (default `cpu`): each op at
 //! H ∈ {4096, 7168} and T ∈ {1, 8, 64, 256, 1024, 4096, 16384} on a GPU (T ≤ 64 on the CPU
 //! backend), plus `hc_head` at T = 1 replayed from a graph (its latency target is inside a graph).
+//! On a device with tensor cores the split-reduction ops run on both paths side by side
+//! (`<op>/H=<h>/tensor_cores/<T>` and `…/portable/<T>`); `HOLDFAST_MHC_TILE=N` forces the tile.
 //!
 //! Timing uses `iter_custom` with the stream synchronised inside the timed region, so it measures
 //! the device work, not the enqueue. Each case prints the bytes the op moves

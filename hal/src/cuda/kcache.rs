@@ -28,17 +28,19 @@ const HEADER: usize = 8 + 8 + 8 + 8;
 
 /// The cache directory this process uses, or `None` when it is disabled or no home is known.
 pub fn kernel_cache_dir() -> Option<PathBuf> {
-    match std::env::var_os(KERNEL_CACHE_ENV) {
+    cache_dir_from(|k| std::env::var_os(k))
+}
+
+/// [`kernel_cache_dir`] with the environment read through `env`.
+fn cache_dir_from(env: impl Fn(&str) -> Option<std::ffi::OsString>) -> Option<PathBuf> {
+    match env(KERNEL_CACHE_ENV) {
         Some(v) if v.is_empty() || v == "off" => None,
         Some(v) => Some(PathBuf::from(v)),
-        None => std::env::var_os("XDG_CACHE_HOME")
-            .filter(|v| !v.is_empty())
-            .map(|v| PathBuf::from(v).join("holdfast/kernels"))
-            .or_else(|| {
-                std::env::var_os("HOME")
-                    .filter(|v| !v.is_empty())
-                    .map(|h| PathBuf::from(h).join(".cache/holdfast/kernels"))
-            }),
+        None => {
+            env("XDG_CACHE_HOME").filter(|v| !v.is_empty()).map(|v| PathBuf::from(v).join("holdfast/kernels")).or_else(
+                || env("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache/holdfast/kernels")),
+            )
+        }
     }
 }
 
@@ -113,6 +115,22 @@ mod tests {
         let d = std::env::temp_dir().join(format!("holdfast-kcache-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         d
+    }
+
+    #[test]
+    fn the_directory_follows_the_environment() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| std::ffi::OsString::from(v))
+        };
+        let own: &'static [(&str, &str)] = &[(KERNEL_CACHE_ENV, "/tmp/kc"), ("XDG_CACHE_HOME", "/x"), ("HOME", "/h")];
+        assert_eq!(cache_dir_from(env(own)), Some(PathBuf::from("/tmp/kc")));
+        assert_eq!(cache_dir_from(env(&[(KERNEL_CACHE_ENV, "off"), ("HOME", "/h")])), None);
+        assert_eq!(cache_dir_from(env(&[(KERNEL_CACHE_ENV, ""), ("HOME", "/h")])), None);
+        let xdg = cache_dir_from(env(&[("XDG_CACHE_HOME", "/x"), ("HOME", "/h")]));
+        assert_eq!(xdg, Some(PathBuf::from("/x/holdfast/kernels")));
+        let home = cache_dir_from(env(&[("XDG_CACHE_HOME", ""), ("HOME", "/h")]));
+        assert_eq!(home, Some(PathBuf::from("/h/.cache/holdfast/kernels")));
+        assert_eq!(cache_dir_from(env(&[])), None);
     }
 
     #[test]
