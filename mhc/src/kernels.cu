@@ -889,7 +889,7 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
 // written. The items of a tile hold consecutive tickets and tickets are claimed by resident blocks,
 // so a tile's items can all be resident as long as the device holds S blocks at once (the host
 // takes this path only where it holds at least 2 S). The last item to leave resets both counters.
-// Outputs use the finish items' arithmetic, so the bits equal the ring path's.
+// Outputs use the finish items' arithmetic (gates, then the same fma chain per element).
 #define MHC_RES_TILE_MAX 128
 
 template <int J, bool FUSED>

@@ -190,6 +190,11 @@ fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 ///   post, comb, layer_input, partials, sync, T, H, …as mhc_pre)`
 /// - `mhc_post_n4(x [T,H], residual [T,n,H], post [T,n], comb [T,n,n], out [T,n,H], T, H,
 ///   tokens_per_block)`
+///
+/// `finish_tokens = 0` selects the resident tensor-core items (sm_80+ only; grid `tiles · S`,
+/// dynamic shared memory per `tile_tokens`); `1..=16` the portable projection and finish items
+/// (grid `tiles · (S + ceil(tile_tokens / finish_tokens))`). The CPU references accept only the
+/// latter, which is all the CPU backend is given.
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
