@@ -282,3 +282,9 @@ holdfast_hal::device_suite!(
 fn compressor_kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_attention::compressor_source());
 }
+
+#[cfg(feature = "rocm")]
+#[test]
+fn compressor_kernels_compile_for_gfx90a_with_hiprtc() {
+    holdfast_hal::testing::assert_compiles_for_gfx90a(holdfast_attention::compressor_source());
+}

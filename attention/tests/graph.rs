@@ -316,3 +316,10 @@ fn attention_kernels_compile_for_sm_90_with_nvrtc() {
     let (cubin, _) = cuda::compile(&consumer_source(), "sm_90", 32).expect("consumer compiles");
     assert!(!cubin.is_empty());
 }
+
+#[cfg(feature = "rocm")]
+#[test]
+fn attention_kernels_compile_for_gfx90a_with_hiprtc() {
+    holdfast_hal::testing::assert_compiles_for_gfx90a(holdfast_attention::source::source());
+    holdfast_hal::testing::assert_compiles_for_gfx90a(&consumer_source());
+}

@@ -717,6 +717,12 @@ fn indexer_kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_attention::indexer_source());
 }
 
+#[cfg(feature = "rocm")]
+#[test]
+fn indexer_kernels_compile_for_gfx90a_with_hiprtc() {
+    holdfast_hal::testing::assert_compiles_for_gfx90a(holdfast_attention::indexer_source());
+}
+
 /// Both warp widths compile, and the top-k keeps its loaded vectors and digit state in registers
 /// (no local memory in its PTX) and reads the row as 16-byte vectors.
 #[cfg(feature = "cuda")]

@@ -394,6 +394,12 @@ fn sparse_attention_compiles_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_attention::sparse_attention_source());
 }
 
+#[cfg(feature = "rocm")]
+#[test]
+fn sparse_attention_compiles_for_gfx90a_with_hiprtc() {
+    holdfast_hal::testing::assert_compiles_for_gfx90a(holdfast_attention::sparse_attention_source());
+}
+
 /// The tensor-core entries compile for sm_90 to `mma.sync` with `cp.async` staging and keep
 /// everything in registers (no local memory in their PTX).
 #[cfg(feature = "cuda")]

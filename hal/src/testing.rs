@@ -66,3 +66,19 @@ pub fn assert_compiles_for_sm_90(src: &crate::KernelSource) -> Option<usize> {
     }
     Some(cubin.len())
 }
+
+/// Compiles `src` with hipRTC for `gfx90a` (wavefront 64): the CI compile check of a crate's
+/// kernels for AMD, with no GPU needed. Returns the code object's size, or `None` (after printing
+/// a `skipped:` line) when HIP / hipRTC are not installed, unless `HOLDFAST_REQUIRE_HIPRTC` is set
+/// (as in CI), where a missing hipRTC fails. Panics on failure: this is a test helper.
+#[cfg(feature = "rocm")]
+pub fn assert_compiles_for_gfx90a(src: &crate::KernelSource) -> Option<usize> {
+    if let Some(reason) = crate::rocm::unavailable_reason() {
+        assert!(std::env::var_os("HOLDFAST_REQUIRE_HIPRTC").is_none(), "hipRTC is required here: {reason}");
+        eprintln!("skipped: hipRTC is not available ({reason})");
+        return None;
+    }
+    let code = crate::rocm::compile(src, "gfx90a", 64).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!code.is_empty(), "`{}`: hipRTC produced no code object", src.name);
+    Some(code.len())
+}

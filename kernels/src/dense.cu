@@ -27,8 +27,8 @@ template <typename Out>
 __device__ __forceinline__ void hf_matmul_body(const hf_bf16* __restrict__ x, const hf_bf16* __restrict__ w,
                                                Out* __restrict__ y, uint32_t t, uint32_t n, uint32_t k,
                                                uint32_t groups) {
-    __shared__ alignas(16) float xs[HF_MM_BK][HF_MM_BM + 4];
-    __shared__ alignas(16) float ws[HF_MM_BK][HF_MM_BN + 4];
+    __shared__ __attribute__((aligned(16))) float xs[HF_MM_BK][HF_MM_BM + 4];
+    __shared__ __attribute__((aligned(16))) float ws[HF_MM_BK][HF_MM_BN + 4];
     const uint32_t tid = threadIdx.x;
     const uint32_t tx = tid % 32, ty = tid / 32;
     const uint32_t n0 = blockIdx.x * HF_MM_BN, m0 = blockIdx.y * HF_MM_BM, g = blockIdx.z;
@@ -284,8 +284,8 @@ template <typename Out>
 __device__ __forceinline__ void hf_matmul_small_t_body(const hf_bf16* __restrict__ x, const hf_bf16* __restrict__ w,
                                                        Out* __restrict__ y, uint32_t t, uint32_t n, uint32_t k,
                                                        uint32_t groups) {
-    __shared__ alignas(16) uint16_t ws[HF_MV_BN][HF_MV_WPITCH];
-    __shared__ alignas(16) float xs[HF_MV_BK][HF_MV_MAX_T];
+    __shared__ __attribute__((aligned(16))) uint16_t ws[HF_MV_BN][HF_MV_WPITCH];
+    __shared__ __attribute__((aligned(16))) float xs[HF_MV_BK][HF_MV_MAX_T];
     for (uint32_t m0 = 0; m0 < t; m0 += HF_MV_MAX_T) {
         switch (t - m0 < HF_MV_MAX_T ? t - m0 : HF_MV_MAX_T) {
             case 1: hf_mv_rows<1, Out>(x, w, y, m0, n, k, groups, ws, xs); break;

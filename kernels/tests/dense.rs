@@ -822,6 +822,12 @@ fn dense_kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_kernels::dense_source());
 }
 
+#[cfg(feature = "rocm")]
+#[test]
+fn dense_kernels_compile_for_gfx90a_with_hiprtc() {
+    holdfast_hal::testing::assert_compiles_for_gfx90a(holdfast_kernels::dense_source());
+}
+
 /// Both warp widths compile, and the four matmul entry points (tiled and small-t) keep their
 /// accumulators in registers (no local memory in their PTX) and read shared memory as 16-byte
 /// vectors; the small-t ones also load w from global memory as 16-byte vectors.

@@ -286,3 +286,9 @@ fn buggy_consumer() -> holdfast_hal::KernelSource {
 fn kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_kernels::source());
 }
+
+#[cfg(feature = "rocm")]
+#[test]
+fn kernels_compile_for_gfx90a_with_hiprtc() {
+    holdfast_hal::testing::assert_compiles_for_gfx90a(holdfast_kernels::source());
+}
