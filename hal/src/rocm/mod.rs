@@ -70,11 +70,28 @@ impl RocmDevice {
         }
         let mut count = 0;
         // SAFETY: out-parameter; the libraries are loaded.
-        check("hipGetDeviceCount", unsafe { hip::hipGetDeviceCount(&mut count) })?;
+        let rc = unsafe { hip::hipGetDeviceCount(&mut count) };
+        let why = match rc {
+            // No GPU (or none this process may use): as plain a miss as an ordinal past the end.
+            hip::hipError_t_hipErrorNoDevice => {
+                count = 0;
+                " (hipGetDeviceCount: hipErrorNoDevice)"
+            }
+            hip::hipError_t_hipErrorInsufficientDriver => {
+                return Err(HalError::BackendUnavailable {
+                    backend: "rocm",
+                    reason: "the HIP runtime loaded but no AMD GPU driver answered (hipErrorInsufficientDriver)".into(),
+                })
+            }
+            _ => {
+                check("hipGetDeviceCount", rc)?;
+                ""
+            }
+        };
         if ordinal >= count.max(0) as usize {
             return Err(HalError::UnknownDevice {
                 name: format!("rocm:{ordinal}"),
-                reason: format!("this machine has {count} HIP device(s)"),
+                reason: format!("this machine has {count} HIP device(s){why}"),
             });
         }
         let dev = Ordinal(ordinal as i32);
