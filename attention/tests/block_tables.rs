@@ -7,9 +7,7 @@
 mod common;
 
 use common::*;
-use holdfast_attention::{
-    AttentionError, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, Ragged, SwaBuilder, TableKind,
-};
+use holdfast_attention::{AttentionError, CommonAttentionMetadata, CommonConfig, Ragged, TableKind};
 use holdfast_hal::{Device, Stream};
 
 fn read(s: &Stream, v: &holdfast_hal::View<i32>) -> Vec<i32> {
@@ -21,41 +19,14 @@ fn ragged_rows(s: &Stream, r: &Ragged) -> Vec<Vec<i32>> {
     (0..r.rows).map(|i| flat[indptr[i] as usize..indptr[i + 1] as usize].to_vec()).collect()
 }
 
-struct Rig {
-    common: CommonAttentionMetadata,
-    swa: SwaBuilder,
-    c128a: C128aBuilder,
-    c4a: C4aBuilder,
-    topk: holdfast_hal::Buffer<i32>,
-    k: usize,
-}
+type Rig = BuilderRig;
 
-impl Rig {
-    fn new(dev: &Device, cfg: CommonConfig) -> Rig {
-        let k = 16;
-        Rig {
-            common: CommonAttentionMetadata::new(dev, cfg).expect("common"),
-            swa: SwaBuilder::new(dev, &cfg, 24).expect("swa"),
-            c128a: C128aBuilder::new(dev, &cfg).expect("c128a"),
-            c4a: C4aBuilder::new(dev, &cfg, k).expect("c4a"),
-            topk: dev.alloc_persistent::<i32>("indexer.topk", cfg.max_num_batched_tokens * k).expect("topk"),
-            k,
-        }
-    }
-
+impl BuilderRig {
     /// Stages `b` (its own table rows and updates), uploads, builds on poisoned outputs, and checks
     /// the three ragged forms against the references over `b`'s full-width rows.
     fn check(&mut self, s: &Stream, b: &Batch, rng: &mut Rng, what: &str) {
         let cfg = *self.common.config();
-        let l = self.common.stage(&b.input()).unwrap_or_else(|e| panic!("{what}: stage: {e}"));
-        self.common.upload(s).expect("upload");
-        let topk = random_topk(rng, b, l.num_decode_tokens, self.k);
-        if !topk.is_empty() {
-            s.copy_from_host(&topk, &self.topk.prefix(topk.len()).expect("view")).expect("topk");
-        }
-        self.swa.fill_outputs(s, POISON).expect("poison");
-        self.c128a.fill_outputs(s, POISON).expect("poison");
-        self.c4a.fill_outputs(s, POISON).expect("poison");
+        let (l, topk) = self.prepare(s, b, rng, what);
         let swa = self.swa.build(s, &self.common).expect("swa").decode.expect("decode rows");
         let c128a = self.c128a.build(s, &self.common).expect("c128a").decode.expect("decode rows");
         let c4a = self.c4a.build(s, &self.common, &self.topk.view()).expect("c4a").decode.expect("decode rows");
@@ -82,7 +53,7 @@ fn a_growing_decode_appends_blocks_only_where_a_token_starts_one(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0xB10C);
     let cfg = small();
-    let mut rig = Rig::new(dev, cfg);
+    let mut rig = Rig::new(dev, cfg, 24, 16);
     // Three requests on table rows 4, 0, 2 (not their batch rows), around block starts.
     let mut seq = vec![15usize, 127, 260];
     let mut b = decode_batch(&cfg, &mut rng, &seq, &[4, 0, 2], 2);
@@ -122,7 +93,7 @@ fn a_released_row_is_reused_by_a_new_request(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0x2E05E);
     let cfg = small();
-    let mut rig = Rig::new(dev, cfg);
+    let mut rig = Rig::new(dev, cfg, 24, 16);
     let mut a = decode_batch(&cfg, &mut rng, &[300, 40], &[1, 3], 0);
     push_used(&cfg, &mut a, 0, [0, 0]);
     push_used(&cfg, &mut a, 1, [0, 0]);
@@ -151,7 +122,7 @@ fn a_step_with_more_cells_than_a_captured_upload_applies_goes_through_the_bulk_p
     let mut rng = Rng(0xB01C);
     let mut cfg = small();
     cfg.max_table_updates = 6 * (cfg.swa_table.max_blocks_per_seq + cfg.kv_table.max_blocks_per_seq);
-    let mut rig = Rig::new(dev, cfg);
+    let mut rig = Rig::new(dev, cfg, 24, 16);
     let mut b = decode_batch(&cfg, &mut rng, &[1000, 900, 999, 5], &[5, 4, 3, 2], 0);
     for r in 0..4 {
         push_used(&cfg, &mut b, r, [0, 0]);

@@ -8,8 +8,7 @@ mod common;
 
 use common::*;
 use holdfast_attention::{
-    AttentionError, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, LayerKind, Ragged, StepLayout,
-    SwaBuilder,
+    AttentionError, C128aBuilder, C4aBuilder, CommonAttentionMetadata, LayerKind, Ragged, StepLayout, SwaBuilder,
 };
 use holdfast_hal::{Device, Stream, View};
 
@@ -43,42 +42,15 @@ fn check_dense(s: &Stream, dense: &View<i32>, lens: &View<i32>, want: &[Vec<i32>
     }
 }
 
-struct Rig {
-    common: CommonAttentionMetadata,
-    swa: SwaBuilder,
-    c128a: C128aBuilder,
-    c4a: C4aBuilder,
-    topk: holdfast_hal::Buffer<i32>,
-    window: usize,
-    k: usize,
-}
+type Rig = BuilderRig;
 
-impl Rig {
-    fn new(dev: &Device, cfg: CommonConfig, window: usize, k: usize) -> Rig {
-        Rig {
-            common: CommonAttentionMetadata::new(dev, cfg).expect("common"),
-            swa: SwaBuilder::new(dev, &cfg, window).expect("swa"),
-            c128a: C128aBuilder::new(dev, &cfg).expect("c128a"),
-            c4a: C4aBuilder::new(dev, &cfg, k).expect("c4a"),
-            topk: dev.alloc_persistent::<i32>("indexer.topk", cfg.max_num_batched_tokens * k).expect("topk"),
-            window,
-            k,
-        }
-    }
-
+impl BuilderRig {
     /// Stages, uploads and builds everything on poisoned outputs; checks each output against the
     /// references and that the build made no host sync.
     fn check(&mut self, dev: &Device, s: &Stream, b: &Batch, rng: &mut Rng) -> StepLayout {
         let cfg = *self.common.config();
-        let l = self.common.stage(&b.input()).expect("stage");
-        self.common.upload(s).expect("upload");
-        let topk_h = random_topk(rng, b, l.num_decode_tokens, self.k);
-        if !topk_h.is_empty() {
-            s.copy_from_host(&topk_h, &self.topk.prefix(topk_h.len()).expect("view")).expect("topk upload");
-        }
-        self.swa.fill_outputs(s, POISON).expect("poison");
-        self.c128a.fill_outputs(s, POISON).expect("poison");
-        self.c4a.fill_outputs(s, POISON).expect("poison");
+        let window = self.swa.window();
+        let (l, topk_h) = self.prepare(s, b, rng, "random batch");
         let syncs = dev.stats().host_syncs;
         let swa = self.swa.build(s, &self.common).expect("swa build");
         let c128a = self.c128a.build(s, &self.common).expect("c128a build");
@@ -95,16 +67,16 @@ impl Rig {
         let slots = read(s, &self.common.slot_mapping().expect("slots"));
         assert!(slots[b.num_tokens()..].iter().all(|&v| v == -1), "padded tokens: slot -1");
 
-        let swa_want = swa_ref(b, &cfg, &l, self.window);
+        let swa_want = swa_ref(b, &cfg, &l, window);
         match &swa.decode {
             Some(d) => {
-                check_dense(s, &d.indices, &d.lens, &swa_want, self.window, "swa");
+                check_dense(s, &d.indices, &d.lens, &swa_want, window, "swa");
                 check_ragged(s, &d.ragged, &swa_want, "swa ragged");
             }
             None => assert_eq!(l.num_decode_tokens, 0),
         }
         match &swa.prefill {
-            Some(p) => assert_eq!(read(s, &p.gather_lens), gather_lens_ref(b, &l, self.window), "gather lens"),
+            Some(p) => assert_eq!(read(s, &p.gather_lens), gather_lens_ref(b, &l, window), "gather lens"),
             None => assert_eq!(l.num_prefills, 0),
         }
         let c128_want = c128a_decode_ref(b, &cfg, &l);

@@ -85,6 +85,44 @@ struct Step {
 }
 
 impl Step {
+    /// The builders for `cfg` (SWA window `window`, c4a top-k `k`) and `rows` poisoned sums.
+    fn new(dev: &Device, cfg: CommonConfig, rows: usize, window: usize, k: usize) -> Step {
+        Step {
+            common: CommonAttentionMetadata::new(dev, cfg).expect("common"),
+            swa: SwaBuilder::new(dev, &cfg, window).expect("swa"),
+            c128a: C128aBuilder::new(dev, &cfg).expect("c128a"),
+            c4a: C4aBuilder::new(dev, &cfg, k).expect("c4a"),
+            topk_staging: dev.alloc_pinned::<i32>(cfg.max_num_batched_tokens * k).expect("pinned"),
+            topk: dev.alloc_persistent::<i32>("indexer.topk", cfg.max_num_batched_tokens * k).expect("topk"),
+            consumer: dev.compile(&consumer_source()).expect("consumer").kernel("ragged_row_sum").expect("k"),
+            sums: dev.alloc_from_slice("sums", &vec![POISON; 3 * rows], true).expect("sums"),
+            k,
+        }
+    }
+
+    /// Replays `graph` (the staged step) and checks its sums against `want`; then poisons every
+    /// output, runs the same step eagerly and checks it gives the replay's sums.
+    fn replay_then_eager(
+        &self,
+        dev: &Device,
+        s: &Stream,
+        graph: &holdfast_hal::Graph,
+        rows: usize,
+        want: &[i32],
+        i: usize,
+    ) {
+        graph.replay(s).expect("replay");
+        let replayed = s.copy_to_host_sync(&self.sums.view()).expect("read");
+        assert_eq!(replayed, want, "step {i}: replay vs reference");
+        self.swa.fill_outputs(s, POISON).expect("poison");
+        self.c128a.fill_outputs(s, POISON).expect("poison");
+        self.c4a.fill_outputs(s, POISON).expect("poison");
+        dev.write_sync(&self.sums, &vec![POISON; 3 * rows]).expect("poison sums");
+        self.run(s, rows);
+        let eager = s.copy_to_host_sync(&self.sums.view()).expect("read");
+        assert_eq!(eager, replayed, "step {i}: eager vs replay");
+    }
+
     /// Upload + three builds + three consumers: what a FULL decode graph holds.
     fn run(&self, s: &Stream, rows: usize) -> StepLayout {
         self.common.upload(s).expect("upload");
@@ -103,17 +141,7 @@ fn decode_step_replays_equal_eager_over_fresh_batches(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let (rows, window, k) = (8usize, 128usize, 64usize);
     let cfg: CommonConfig = config(64, 16, 8192, 0, 64, 256);
-    let step = Step {
-        common: CommonAttentionMetadata::new(dev, cfg).expect("common"),
-        swa: SwaBuilder::new(dev, &cfg, window).expect("swa"),
-        c128a: C128aBuilder::new(dev, &cfg).expect("c128a"),
-        c4a: C4aBuilder::new(dev, &cfg, k).expect("c4a"),
-        topk_staging: dev.alloc_pinned::<i32>(cfg.max_num_batched_tokens * k).expect("pinned"),
-        topk: dev.alloc_persistent::<i32>("indexer.topk", cfg.max_num_batched_tokens * k).expect("topk"),
-        consumer: dev.compile(&consumer_source()).expect("consumer").kernel("ragged_row_sum").expect("k"),
-        sums: dev.alloc_from_slice("sums", &vec![POISON; 3 * rows], true).expect("sums"),
-        k,
-    };
+    let step = Step::new(dev, cfg, rows, window, k);
     let mut rng = Rng(0xC0FFEE);
     let mut step = step;
     let stage = |step: &mut Step, rng: &mut Rng| {
@@ -148,16 +176,7 @@ fn decode_step_replays_equal_eager_over_fresh_batches(dev: &Device) {
         .concat();
         // Whole random rows each step: more cells than a captured upload applies.
         step.common.apply_bulk_table_updates(&s).expect("bulk updates");
-        graph.replay(&s).expect("replay");
-        let replayed = s.copy_to_host_sync(&step.sums.view()).expect("read");
-        assert_eq!(replayed, want, "step {i}: replay vs reference");
-        step.swa.fill_outputs(&s, POISON).expect("poison");
-        step.c128a.fill_outputs(&s, POISON).expect("poison");
-        step.c4a.fill_outputs(&s, POISON).expect("poison");
-        dev.write_sync(&step.sums, &vec![POISON; 3 * rows]).expect("poison sums");
-        step.run(&s, rows);
-        let eager = s.copy_to_host_sync(&step.sums.view()).expect("read");
-        assert_eq!(eager, replayed, "step {i}: eager vs replay");
+        step.replay_then_eager(dev, &s, &graph, rows, &want, i);
     }
     assert_eq!(graph.replays(), 50);
 }
@@ -170,17 +189,7 @@ fn incremental_block_table_updates_replay_across_steps(dev: &Device) {
     cfg.max_table_updates = 128;
     let growth = cfg.swa_table.growth_cells(64, 16) + cfg.kv_table.growth_cells(64, 16);
     assert_eq!(cfg.step_update_cells(), growth);
-    let mut step = Step {
-        common: CommonAttentionMetadata::new(dev, cfg).expect("common"),
-        swa: SwaBuilder::new(dev, &cfg, window).expect("swa"),
-        c128a: C128aBuilder::new(dev, &cfg).expect("c128a"),
-        c4a: C4aBuilder::new(dev, &cfg, k).expect("c4a"),
-        topk_staging: dev.alloc_pinned::<i32>(cfg.max_num_batched_tokens * k).expect("pinned"),
-        topk: dev.alloc_persistent::<i32>("indexer.topk", cfg.max_num_batched_tokens * k).expect("topk"),
-        consumer: dev.compile(&consumer_source()).expect("consumer").kernel("ragged_row_sum").expect("k"),
-        sums: dev.alloc_from_slice("sums", &vec![POISON; 3 * rows], true).expect("sums"),
-        k,
-    };
+    let mut step = Step::new(dev, cfg, rows, window, k);
     let mut rng = Rng(0x1AC4);
     // Six decodes on scattered table rows, two padded rows; contexts next to block starts.
     let mut seq = vec![60usize, 63, 255, 256, 1, 700];
@@ -239,16 +248,7 @@ fn incremental_block_table_updates_replay_across_steps(dev: &Device) {
         .concat();
         // The graph applies the step's updates itself; a bulk step's go first, eagerly.
         bulk_steps += usize::from(step.common.apply_bulk_table_updates(&s).expect("bulk") > 0);
-        graph.replay(&s).expect("replay");
-        let replayed = s.copy_to_host_sync(&step.sums.view()).expect("read");
-        assert_eq!(replayed, want, "step {i}: replay vs reference");
-        step.swa.fill_outputs(&s, POISON).expect("poison");
-        step.c128a.fill_outputs(&s, POISON).expect("poison");
-        step.c4a.fill_outputs(&s, POISON).expect("poison");
-        dev.write_sync(&step.sums, &vec![POISON; 3 * rows]).expect("poison sums");
-        step.run(&s, rows);
-        let eager = s.copy_to_host_sync(&step.sums.view()).expect("read");
-        assert_eq!(eager, replayed, "step {i}: eager vs replay");
+        step.replay_then_eager(dev, &s, &graph, rows, &want, i);
     }
     assert_eq!(bulk_steps, 1, "only the long admission exceeds the captured upload");
     assert!((8..=30).contains(&updates), "decode steps append only at block starts: {updates} updates");

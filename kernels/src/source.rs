@@ -194,6 +194,20 @@ pub fn source() -> &'static KernelSource {
     SRC.get_or_init(|| {
         let u = |n| Param::scalar(n, ScalarKind::U32);
         let i = |n| Param::scalar(n, ScalarKind::I32);
+        // The ragged pack's signature; `indptr` is read by the pack and written by the fused scan.
+        let pack = |indptr: Param| {
+            vec![
+                Param::input::<i32>("dense"),
+                Param::input::<i32>("len"),
+                indptr,
+                Param::output::<i32>("flat"),
+                u("rows"),
+                u("width"),
+                i("lo"),
+                i("hi"),
+                u("check"),
+            ]
+        };
         KernelSource {
             name: "holdfast_kernels",
             code: CODE,
@@ -233,32 +247,12 @@ pub fn source() -> &'static KernelSource {
                 },
                 KernelEntry {
                     name: "hf_ragged_pack_i32",
-                    params: vec![
-                        Param::input::<i32>("dense"),
-                        Param::input::<i32>("len"),
-                        Param::input::<i32>("indptr"),
-                        Param::output::<i32>("flat"),
-                        u("rows"),
-                        u("width"),
-                        i("lo"),
-                        i("hi"),
-                        u("check"),
-                    ],
+                    params: pack(Param::input::<i32>("indptr")),
                     cpu: ragged_pack_i32,
                 },
                 KernelEntry {
                     name: "hf_ragged_from_dense_i32",
-                    params: vec![
-                        Param::input::<i32>("dense"),
-                        Param::input::<i32>("len"),
-                        Param::output::<i32>("indptr"),
-                        Param::output::<i32>("flat"),
-                        u("rows"),
-                        u("width"),
-                        i("lo"),
-                        i("hi"),
-                        u("check"),
-                    ],
+                    params: pack(Param::output::<i32>("indptr")),
                     cpu: ragged_from_dense_i32,
                 },
             ],

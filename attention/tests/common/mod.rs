@@ -5,9 +5,10 @@
 pub mod sched;
 
 use holdfast_attention::{
-    c128a_max_compressed, BlockTableConfig, BlockTableUpdates, CommonConfig, StepInput, StepLayout, TableKind,
-    C128A_RATIO, C4A_RATIO,
+    c128a_max_compressed, BlockTableConfig, BlockTableUpdates, C128aBuilder, C4aBuilder, CommonAttentionMetadata,
+    CommonConfig, StepInput, StepLayout, SwaBuilder, TableKind, C128A_RATIO, C4A_RATIO,
 };
+use holdfast_hal::{Buffer, Device, Stream};
 
 /// Unwritten i32 outputs read as this (0x7B7B7B7B), never a plausible index or -1.
 pub const POISON: i32 = 0x7B7B_7B7B;
@@ -317,4 +318,43 @@ pub fn c4a_ref(b: &Batch, cfg: &CommonConfig, l: &StepLayout, topk: &[i32], k: u
                 .collect()
         })
         .collect()
+}
+
+/// The three decode builders over one common metadata, with the top-k buffer c4a reads.
+pub struct BuilderRig {
+    pub common: CommonAttentionMetadata,
+    pub swa: SwaBuilder,
+    pub c128a: C128aBuilder,
+    pub c4a: C4aBuilder,
+    pub topk: Buffer<i32>,
+    pub k: usize,
+}
+
+impl BuilderRig {
+    /// Builders for `cfg` with an SWA window of `window` and a c4a top-k of `k`.
+    pub fn new(dev: &Device, cfg: CommonConfig, window: usize, k: usize) -> BuilderRig {
+        BuilderRig {
+            common: CommonAttentionMetadata::new(dev, cfg).expect("common"),
+            swa: SwaBuilder::new(dev, &cfg, window).expect("swa"),
+            c128a: C128aBuilder::new(dev, &cfg).expect("c128a"),
+            c4a: C4aBuilder::new(dev, &cfg, k).expect("c4a"),
+            topk: dev.alloc_persistent::<i32>("indexer.topk", cfg.max_num_batched_tokens * k).expect("topk"),
+            k,
+        }
+    }
+
+    /// Stages `b` and uploads it, uploads a random top-k for its decode tokens, and poisons every
+    /// builder output; returns the layout and the top-k rows (`[decode tokens, k]`).
+    pub fn prepare(&mut self, s: &Stream, b: &Batch, rng: &mut Rng, what: &str) -> (StepLayout, Vec<i32>) {
+        let l = self.common.stage(&b.input()).unwrap_or_else(|e| panic!("{what}: stage: {e}"));
+        self.common.upload(s).expect("upload");
+        let topk = random_topk(rng, b, l.num_decode_tokens, self.k);
+        if !topk.is_empty() {
+            s.copy_from_host(&topk, &self.topk.prefix(topk.len()).expect("view")).expect("topk upload");
+        }
+        self.swa.fill_outputs(s, POISON).expect("poison");
+        self.c128a.fill_outputs(s, POISON).expect("poison");
+        self.c4a.fill_outputs(s, POISON).expect("poison");
+        (l, topk)
+    }
 }
