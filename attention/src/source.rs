@@ -18,19 +18,20 @@ __device__ __forceinline__ int32_t hf_slot(const int32_t* row, int32_t p, int32_
 }
 
 // Token t's SWA list length: min(pos + 1, window), 0 for an invalid token.
+// (The three loads are unconditional, so a loop of these keeps them all in flight.)
 __device__ __forceinline__ int32_t hf_swa_len(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
                                               uint32_t t, uint32_t window) {
-    if (slots[t] < 0 || tok_req[t] < 0) return 0;
-    const int32_t p1 = positions[t] + 1;
-    return p1 < (int32_t)window ? p1 : (int32_t)window;
+    const int32_t s = slots[t], r = tok_req[t], p1 = positions[t] + 1;
+    const int32_t len = p1 < (int32_t)window ? p1 : (int32_t)window;
+    return (s < 0 || r < 0) ? 0 : len;
 }
 
 // Token t's c128a list length: min((pos + 1) / ratio, width), 0 for an invalid token.
 __device__ __forceinline__ int32_t hf_c128a_len(const int32_t* positions, const int32_t* slots,
                                                 const int32_t* tok_req, uint32_t t, uint32_t width, uint32_t ratio) {
-    if (slots[t] < 0 || tok_req[t] < 0) return 0;
+    const int32_t s = slots[t], r = tok_req[t];
     const uint32_t c = ((uint32_t)positions[t] + 1u) / ratio;
-    return (int32_t)(c < width ? c : width);
+    return (s < 0 || r < 0) ? 0 : (int32_t)(c < width ? c : width);
 }
 
 // One block (power-of-two threads) per decode token: indices[t, j] = SWA slot of position
@@ -45,8 +46,8 @@ HF_KERNEL void hf_dsv4_swa_decode(const int32_t* positions, const int32_t* slots
     __shared__ int32_t part[1024];
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        int32_t before = 0;
-        for (uint32_t q = threadIdx.x; q < t; q += blockDim.x) before += hf_swa_len(positions, slots, tok_req, q, window);
+        const int32_t before =
+            hf_thread_sum_below(t, [&](uint32_t q) { return hf_swa_len(positions, slots, tok_req, q, window); });
         const int32_t base = hf_block_sum_i32(before, part);
         int32_t req = tok_req[t];
         bool valid = slots[t] >= 0 && req >= 0;
@@ -80,26 +81,50 @@ HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t
 
 // One block (power-of-two threads) per decode token: the first n = min((pos + 1) / ratio, width)
 // compressed entries' global slots (compressed block size cbs), -1 after; lens[t] = n, 0 (and all
-// -1) if invalid; and, in the same launch, indptr / flat as hf_dsv4_swa_decode.
+// -1) if invalid; and, in the same launch, indptr / flat as hf_dsv4_swa_decode. Where the dense
+// rows are 16-byte aligned (width % 4 == 0 and an aligned buffer) each thread makes four
+// consecutive entries (one division for the four, one 16-byte store of the dense row).
+struct alignas(16) hf_md_i4 { int32_t v[4]; };
 HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
                                     const int32_t* table_rows, const int32_t* block_table, int32_t* indices,
                                     int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t width,
                                     uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
     __shared__ int32_t part[1024];
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
+    const bool vec = width % 4u == 0u && (reinterpret_cast<uint64_t>(indices) & 15u) == 0u;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        int32_t before = 0;
-        for (uint32_t q = threadIdx.x; q < t; q += blockDim.x)
-            before += hf_c128a_len(positions, slots, tok_req, q, width, ratio);
+        const int32_t before =
+            hf_thread_sum_below(t, [&](uint32_t q) { return hf_c128a_len(positions, slots, tok_req, q, width, ratio); });
         const int32_t base = hf_block_sum_i32(before, part);
         int32_t req = tok_req[t];
         bool valid = slots[t] >= 0 && req >= 0;
         const int32_t c = hf_c128a_len(positions, slots, tok_req, t, width, ratio);
         const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
-        for (uint32_t j = threadIdx.x; j < width; j += blockDim.x) {
-            const int32_t v = (int32_t)j < c ? hf_slot(row, (int32_t)j, (int32_t)cbs) : -1;
-            indices[(uint64_t)t * width + j] = v;
-            if ((int32_t)j < c) flat[base + (int32_t)j] = v;
+        int32_t* dense = indices + (uint64_t)t * width;
+        if (vec) {
+            for (uint32_t j0 = 4u * threadIdx.x; j0 < width; j0 += 4u * blockDim.x) {
+                hf_md_i4 o;
+                uint32_t q = j0 / cbs, r = j0 % cbs;
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int32_t j = (int32_t)j0 + e;
+                    o.v[e] = j < c ? row[q] * (int32_t)cbs + (int32_t)r : -1;
+                    if (++r == cbs) {
+                        r = 0u;
+                        ++q;
+                    }
+                }
+                *reinterpret_cast<hf_md_i4*>(dense + j0) = o;
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    if ((int32_t)j0 + e < c) flat[base + (int32_t)j0 + e] = o.v[e];
+            }
+        } else {
+            for (uint32_t j = threadIdx.x; j < width; j += blockDim.x) {
+                const int32_t v = (int32_t)j < c ? hf_slot(row, (int32_t)j, (int32_t)cbs) : -1;
+                dense[j] = v;
+                if ((int32_t)j < c) flat[base + (int32_t)j] = v;
+            }
         }
         if (threadIdx.x == 0) {
             lens[t] = c;
@@ -132,16 +157,10 @@ HF_KERNEL void hf_dsv4_c4a_count(const int32_t* topk, const int32_t* positions, 
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         bool valid = slots[t] >= 0 && tok_req[t] >= 0;
         int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
-        int32_t c = 0;
-        for (uint32_t j = threadIdx.x; j < k; j += HF_C4A_THREADS) c += hf_c4a_keep(topk[(uint64_t)t * k + j], avail);
-        part[threadIdx.x] = c;
-        __syncthreads();
-        for (uint32_t s = HF_C4A_THREADS / 2; s > 0; s >>= 1) {
-            if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
-            __syncthreads();
-        }
-        if (threadIdx.x == 0) lens[t] = part[0];
-        __syncthreads();
+        const int32_t* row = topk + (uint64_t)t * k;
+        const int32_t c = hf_thread_sum_below(k, [&](uint32_t j) { return (int32_t)hf_c4a_keep(row[j], avail); });
+        const int32_t total = hf_block_sum_i32(c, part);
+        if (threadIdx.x == 0) lens[t] = total;
     }
 }
 
@@ -160,8 +179,7 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
     uint32_t end = begin + chunk < k ? begin + chunk : k;
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        int32_t before = 0;
-        for (uint32_t q = threadIdx.x; q < t; q += HF_C4A_THREADS) before += lens[q];
+        const int32_t before = hf_thread_sum_below(t, [&](uint32_t q) { return lens[q]; });
         const int32_t base = hf_block_sum_i32(before, part);
         if (threadIdx.x == 0) indptr[t + 1] = base + lens[t];
         int32_t req = tok_req[t];
@@ -170,15 +188,8 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
         const int32_t* in = topk + (uint64_t)t * k;
         int32_t c = 0;
         for (uint32_t j = begin; j < end; ++j) c += hf_c4a_keep(in[j], avail);
-        part[threadIdx.x] = c;
-        __syncthreads();
-        for (uint32_t off = 1; off < HF_C4A_THREADS; off <<= 1) {
-            int32_t v = threadIdx.x >= off ? part[threadIdx.x - off] : 0;
-            __syncthreads();
-            part[threadIdx.x] += v;
-            __syncthreads();
-        }
-        int32_t out = base + part[threadIdx.x] - c;
+        int32_t kept;
+        int32_t out = base + hf_block_exclusive_scan_i32(c, part, &kept);
         const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
         for (uint32_t j = begin; j < end; ++j) {
             int32_t v = in[j];

@@ -66,17 +66,68 @@ __device__ __forceinline__ int32_t hf_clamp_len(int32_t len, uint32_t width) {
     return len < 0 ? 0 : ((uint32_t)len < width ? len : (int32_t)width);
 }
 // Sum of v over the block's threads (blockDim.x a power of two; `part` a shared array of
-// blockDim.x entries), returned to every thread; the block may reuse `part` right after.
+// blockDim.x entries), returned to every thread; the block may reuse `part` right after. Warp
+// shuffles, then one shared-memory round over the warps' totals (two barriers in all); integer
+// sums, so the result does not depend on the order.
 __device__ __forceinline__ int32_t hf_block_sum_i32(int32_t v, int32_t* part) {
-    part[threadIdx.x] = v;
-    __syncthreads();
-    for (uint32_t s = blockDim.x / 2; s > 0; s >>= 1) {
-        if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+    if (blockDim.x < HF_WARP_SIZE) {
+        part[threadIdx.x] = v;
         __syncthreads();
+        for (uint32_t s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (threadIdx.x < s) part[threadIdx.x] += part[threadIdx.x + s];
+            __syncthreads();
+        }
+        const int32_t total = part[0];
+        __syncthreads();
+        return total;
     }
-    const int32_t total = part[0];
+    for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) v += hf_shfl_xor(v, m);
+    if (threadIdx.x % HF_WARP_SIZE == 0) part[threadIdx.x / HF_WARP_SIZE] = v;
+    __syncthreads();
+    int32_t total = 0;
+    for (uint32_t w = 0; w < blockDim.x / HF_WARP_SIZE; ++w) total += part[w];
     __syncthreads();
     return total;
+}
+
+// Exclusive prefix sum of v over the block's threads in thread order (blockDim.x a multiple of
+// the warp size, at most HF_WARP_SIZE warps; `part` a shared array of one entry per warp), and the
+// block's total in *total, for every thread; the block may reuse `part` right after.
+__device__ __forceinline__ int32_t hf_block_exclusive_scan_i32(int32_t v, int32_t* part, int32_t* total) {
+    const int lane = (int)(threadIdx.x % HF_WARP_SIZE);
+    const uint32_t warp = threadIdx.x / HF_WARP_SIZE;
+    int32_t x = v;  // inclusive within the warp
+    for (int d = 1; d < HF_WARP_SIZE; d <<= 1) {
+        const int32_t y = hf_shfl(x, lane >= d ? lane - d : lane);
+        if (lane >= d) x += y;
+    }
+    if (lane == HF_WARP_SIZE - 1) part[warp] = x;
+    __syncthreads();
+    int32_t before = 0, all = 0;
+    for (uint32_t w = 0; w < blockDim.x / HF_WARP_SIZE; ++w) {
+        const int32_t p = part[w];
+        if (w < warp) before += p;
+        all += p;
+    }
+    __syncthreads();
+    *total = all;
+    return before + x - v;
+}
+
+// This thread's share of sum_{q < t} f(q): the q with q % blockDim.x == threadIdx.x, four per
+// round so that their loads are in flight together (f is called for in-range q only). Integers:
+// the block's total does not depend on the split.
+template <typename F>
+__device__ __forceinline__ int32_t hf_thread_sum_below(uint32_t t, F f) {
+    const uint32_t b = blockDim.x;
+    int32_t s = 0;
+    uint32_t q = threadIdx.x;
+    for (; q + 3u * b < t; q += 4u * b) {
+        const int32_t x0 = f(q), x1 = f(q + b), x2 = f(q + 2u * b), x3 = f(q + 3u * b);
+        s += (x0 + x1) + (x2 + x3);
+    }
+    for (; q < t; q += b) s += f(q);
+    return s;
 }
 
 #if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)

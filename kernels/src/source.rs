@@ -84,8 +84,7 @@ HF_KERNEL void hf_ragged_from_dense_i32(const int32_t* dense, const int32_t* len
     __shared__ int32_t part[HF_RFD_THREADS];
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        int32_t before = 0;
-        for (uint32_t q = threadIdx.x; q < r; q += HF_RFD_THREADS) before += hf_clamp_len(len[q], width);
+        const int32_t before = hf_thread_sum_below(r, [&](uint32_t q) { return hf_clamp_len(len[q], width); });
         const int32_t base = hf_block_sum_i32(before, part);
         const int32_t n = hf_clamp_len(len[r], width);
         if (threadIdx.x == 0) indptr[r + 1] = base + n;
