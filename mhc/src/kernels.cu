@@ -681,21 +681,23 @@ __device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, 
 #endif
 
 // Split sums of tokens [t0, t0 + count) into s_sum[u][v], in split order. The partials were written
-// by other blocks during this launch: volatile loads (never a stale L1 line), 8 in flight at once.
+// by other blocks during this launch: volatile loads (never a stale L1 line), MHC_SUM_BATCH of them
+// issued before the first add, so a split count up to that (H <= 4096) costs one round trip.
+#define MHC_SUM_BATCH 16
 template <int V>
-__device__ __forceinline__ void mhc_split_sums(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
+__device__ __noinline__ void mhc_split_sums(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
                                                float (*s_sum)[32]) {
     for (uint32_t idx = threadIdx.x; idx < count * V; idx += MHC_THREADS) {
         const uint32_t u = idx / V, v = idx % V;
         const volatile float* p = partials + (uint64_t)(t0 + u) * S * V + v;
-        float a = p[0];
-        for (uint32_t s0 = 1; s0 < S; s0 += 8) {
-            float b[8];
+        float a = 0.0f;
+        for (uint32_t s0 = 0; s0 < S; s0 += MHC_SUM_BATCH) {
+            float b[MHC_SUM_BATCH];
 #pragma unroll
-            for (int q = 0; q < 8; ++q) b[q] = (s0 + q < S) ? p[(uint64_t)(s0 + q) * V] : 0.0f;
+            for (int q = 0; q < MHC_SUM_BATCH; ++q) b[q] = (s0 + q < S) ? p[(uint64_t)(s0 + q) * V] : 0.0f;
 #pragma unroll
-            for (int q = 0; q < 8; ++q)
-                if (s0 + q < S) a = a + b[q];
+            for (int q = 0; q < MHC_SUM_BATCH; ++q)
+                if (s0 + q < S) a = (s0 + q == 0) ? b[q] : a + b[q];
         }
         s_sum[u][v] = a;
     }
