@@ -294,7 +294,16 @@ __device__ __forceinline__ MhcItem mhc_item(uint32_t p, uint32_t S, uint32_t F, 
     return it;
 }
 
+// A block's ticket. A grid of at most half the SM identifiers (%nsmid, at least the SM count) is
+// resident all at once on NVIDIA devices (every kernel here fits at least one block per SM), so no
+// block can wait on one that never starts: the block index serves and the claim's round trip to
+// L2 is saved (decode-size launches). Larger grids, and HIP, claim from the counter.
 __device__ __forceinline__ uint32_t mhc_claim(uint32_t* sync) {
+#if defined(HF_CUDA)
+    uint32_t nsm;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
+    if (2u * gridDim.x <= nsm) return blockIdx.x;
+#endif
     __shared__ uint32_t s_ticket;
     if (threadIdx.x == 0) {
         const uint32_t t = atomicAdd(&sync[0], 1u);

@@ -120,7 +120,8 @@ pub(crate) struct ReduceShape {
 /// [`Reduce::resident_tile_max`] and `16·S` (each item finishes at most 16 of its tile's tokens),
 /// sized so that the items fill the resident blocks about once. Portable: enough projection items
 /// to give every multiprocessor about two, tiles of whole passes (8 warps × the tokens of a warp)
-/// up to 128 tokens, and finish items of 16 tokens (fewer if the tile is smaller).
+/// up to 128 tokens, and finish items of `ceil(T / 2·units)` tokens (1 to 16, at most the tile), so
+/// that the finish items, which read whole rows, also give every multiprocessor about two.
 pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, shape: ReduceShape) -> ReducePlan {
     let s = splits(hidden);
     let units = units.max(1);
@@ -153,7 +154,8 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         }
     };
     tile = tile.min(tokens.max(1)).max(1);
-    let finish = FINISH_MAX.min(tile);
+    // Finish items read whole rows: enough of them that each multiprocessor gets about two.
+    let finish = tokens.div_ceil(2 * units).clamp(1, FINISH_MAX).min(tile);
     let tiles = tokens.div_ceil(tile);
     let blocks = tiles * (s + tile.div_ceil(finish));
     ReducePlan {
