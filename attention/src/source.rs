@@ -85,6 +85,7 @@ HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t
 // rows are 16-byte aligned (width % 4 == 0 and an aligned buffer) each thread makes four
 // consecutive entries (one division for the four, one 16-byte store of the dense row).
 struct alignas(16) hf_md_i4 { int32_t v[4]; };
+#define HF_MD_ROUNDS 4
 HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
                                     const int32_t* table_rows, const int32_t* block_table, int32_t* indices,
                                     int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t width,
@@ -102,22 +103,33 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
         const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
         int32_t* dense = indices + (uint64_t)t * width;
         if (vec) {
-            for (uint32_t j0 = 4u * threadIdx.x; j0 < width; j0 += 4u * blockDim.x) {
-                hf_md_i4 o;
-                uint32_t q = j0 / cbs, r = j0 % cbs;
+            // HF_MD_ROUNDS groups of four per pass, their table reads all in flight before any store.
+            const uint32_t step = 4u * blockDim.x;
+            for (uint32_t p0 = 4u * threadIdx.x; p0 < width; p0 += HF_MD_ROUNDS * step) {
+                hf_md_i4 o[HF_MD_ROUNDS];
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int32_t j = (int32_t)j0 + e;
-                    o.v[e] = j < c ? row[q] * (int32_t)cbs + (int32_t)r : -1;
-                    if (++r == cbs) {
-                        r = 0u;
-                        ++q;
+                for (int g = 0; g < HF_MD_ROUNDS; ++g) {
+                    const uint32_t j0 = p0 + (uint32_t)g * step;
+                    uint32_t q = j0 / cbs, r = j0 % cbs;
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int32_t j = (int32_t)j0 + e;
+                        o[g].v[e] = j < c ? row[q] * (int32_t)cbs + (int32_t)r : -1;
+                        if (++r == cbs) {
+                            r = 0u;
+                            ++q;
+                        }
                     }
                 }
-                *reinterpret_cast<hf_md_i4*>(dense + j0) = o;
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    if ((int32_t)j0 + e < c) flat[base + (int32_t)j0 + e] = o.v[e];
+                for (int g = 0; g < HF_MD_ROUNDS; ++g) {
+                    const uint32_t j0 = p0 + (uint32_t)g * step;
+                    if (j0 >= width) break;
+                    *reinterpret_cast<hf_md_i4*>(dense + j0) = o[g];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        if ((int32_t)j0 + e < c) flat[base + (int32_t)j0 + e] = o[g].v[e];
+                }
             }
         } else {
             for (uint32_t j = threadIdx.x; j < width; j += blockDim.x) {
@@ -148,6 +160,7 @@ HF_KERNEL void hf_dsv4_c128a_prefill(const int32_t* positions, const int32_t* sl
 // c4a top-k: entry v of token t's row is kept iff the token is valid and 0 <= v < (pos + 1) / ratio
 // (a compressed entry that exists). Blocks of exactly HF_C4A_THREADS threads, one block per token.
 #define HF_C4A_THREADS 128
+#define HF_C4A_UNROLL 8
 __device__ __forceinline__ bool hf_c4a_keep(int32_t v, int32_t avail) { return v >= 0 && v < avail; }
 
 // lens[t] = kept entries of row t.
@@ -186,14 +199,34 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
         bool valid = slots[t] >= 0 && req >= 0;
         int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
         const int32_t* in = topk + (uint64_t)t * k;
+        // Chunks of up to HF_C4A_UNROLL entries (index_topk <= 1024) are held in registers, their
+        // loads (and then their table reads) all in flight at once.
+        const bool held = chunk <= HF_C4A_UNROLL;
+        int32_t v[HF_C4A_UNROLL];
         int32_t c = 0;
-        for (uint32_t j = begin; j < end; ++j) c += hf_c4a_keep(in[j], avail);
+        if (held) {
+#pragma unroll
+            for (int e = 0; e < HF_C4A_UNROLL; ++e) v[e] = begin + (uint32_t)e < end ? in[begin + e] : -1;
+#pragma unroll
+            for (int e = 0; e < HF_C4A_UNROLL; ++e) c += hf_c4a_keep(v[e], avail);
+        } else {
+            for (uint32_t j = begin; j < end; ++j) c += hf_c4a_keep(in[j], avail);
+        }
         int32_t kept;
         int32_t out = base + hf_block_exclusive_scan_i32(c, part, &kept);
         const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
-        for (uint32_t j = begin; j < end; ++j) {
-            int32_t v = in[j];
-            if (hf_c4a_keep(v, avail)) flat[out++] = hf_slot(row, v, (int32_t)cbs);
+        if (held) {
+            int32_t slot[HF_C4A_UNROLL];
+#pragma unroll
+            for (int e = 0; e < HF_C4A_UNROLL; ++e) slot[e] = hf_c4a_keep(v[e], avail) ? hf_slot(row, v[e], (int32_t)cbs) : 0;
+#pragma unroll
+            for (int e = 0; e < HF_C4A_UNROLL; ++e)
+                if (hf_c4a_keep(v[e], avail)) flat[out++] = slot[e];
+        } else {
+            for (uint32_t j = begin; j < end; ++j) {
+                int32_t x = in[j];
+                if (hf_c4a_keep(x, avail)) flat[out++] = hf_slot(row, x, (int32_t)cbs);
+            }
         }
         __syncthreads();
     }
