@@ -130,6 +130,13 @@ pub(crate) trait StreamOps {
     fn begin_capture(&self) -> Result<()>;
     fn end_capture(&self) -> Result<GraphImpl>;
     fn abort_capture(&self) -> Result<()>;
+    /// Capture fork (this stream capturing, `branch` idle): `branch` records into this stream's
+    /// capture from now on, ordered after everything recorded here so far. `edge` is a fresh event
+    /// the backend may use for the dependency.
+    fn fork_capture(&self, branch: &StreamImpl, edge: &EventImpl) -> Result<()>;
+    /// Capture join (`branch` forked into this stream's capture): what this stream records next
+    /// is ordered after everything `branch` recorded. `edge` as for `fork_capture`.
+    fn join_capture(&self, branch: &StreamImpl, edge: &EventImpl) -> Result<()>;
 }
 
 #[enum_dispatch(StreamOps)]

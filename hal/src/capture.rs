@@ -6,11 +6,18 @@
 //! the finished graph must hold on to (every allocation and pinned buffer it touched), which
 //! host-refreshed buffers it reads, the input views the caller bound by name, and the communicators
 //! whose collectives it recorded.
+//!
+//! Other streams take part through `fork_capture` (Idle → `Branch`: the stream records into the
+//! same log and graph) and `join_capture` (Branch → `Joined`: its work is ordered before what the
+//! joining stream records next; it records nothing more unless forked again). The capture ends
+//! only on the stream that began it, once no branch is left unjoined; its branches are then idle.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use crate::backend::{EventImpl, StreamImpl};
 use crate::comm::CommShared;
+use crate::device::lock;
 use crate::error::{HalError, Result};
 use crate::memory::{Allocation, PinnedAlloc, RawView};
 
@@ -43,7 +50,16 @@ pub(crate) struct CaptureLog {
     /// Communicators whose collectives were captured (a graph must not outlive them).
     pub(crate) comms: Vec<Arc<CommShared>>,
     pub(crate) ops: usize,
+    /// Forked streams not yet joined back: their id and backend stream.
+    pub(crate) unjoined: BTreeMap<u64, Arc<StreamImpl>>,
+    /// The fork / join events, kept until the capture ends.
+    pub(crate) edges: Vec<EventImpl>,
+    /// Set when the capture ended or was aborted: its branches are idle again.
+    pub(crate) closed: bool,
 }
+
+/// A capture's log, shared by the stream that began it and the streams forked into it.
+pub(crate) type SharedLog = Arc<Mutex<CaptureLog>>;
 
 impl CaptureLog {
     pub(crate) fn retain(&mut self, a: &Arc<Allocation>) {
@@ -64,7 +80,12 @@ impl CaptureLog {
 /// Capture state of a stream.
 pub(crate) enum CaptureState {
     Idle,
-    Capturing(CaptureLog),
+    /// The stream began the capture and owns its end.
+    Capturing(SharedLog),
+    /// Forked into a capture: records into its log.
+    Branch(SharedLog),
+    /// Joined back into its capture: records nothing until forked again or the capture ends.
+    Joined(SharedLog),
 }
 
 impl CaptureState {
@@ -72,6 +93,25 @@ impl CaptureState {
         match self {
             CaptureState::Idle => "idle",
             CaptureState::Capturing(_) => "capturing",
+            CaptureState::Branch(_) => "a forked capture branch",
+            CaptureState::Joined(_) => "a joined capture branch (its capture is still open)",
+        }
+    }
+
+    /// The log this stream records into or belongs to, if any.
+    pub(crate) fn log(&self) -> Option<&SharedLog> {
+        match self {
+            CaptureState::Idle => None,
+            CaptureState::Capturing(l) | CaptureState::Branch(l) | CaptureState::Joined(l) => Some(l),
+        }
+    }
+
+    /// A branch whose capture has ended is idle again.
+    pub(crate) fn settle(&mut self) {
+        if let CaptureState::Branch(l) | CaptureState::Joined(l) = self {
+            if lock(l).closed {
+                *self = CaptureState::Idle;
+            }
         }
     }
 
@@ -79,18 +119,28 @@ impl CaptureState {
     pub(crate) fn begin(&mut self, label: &str) -> Result<()> {
         match self {
             CaptureState::Idle => {
-                *self = CaptureState::Capturing(CaptureLog { label: label.to_string(), ..CaptureLog::default() });
+                let log = CaptureLog { label: label.to_string(), ..CaptureLog::default() };
+                *self = CaptureState::Capturing(Arc::new(Mutex::new(log)));
                 Ok(())
             }
             s => Err(HalError::CaptureTransition { attempted: "begin capture on", state: s.name() }),
         }
     }
 
-    /// Capturing → Idle, handing back the log.
+    /// Capturing → Idle, handing back the log (the capture's branches become idle).
     pub(crate) fn finish(&mut self, attempted: &'static str) -> Result<CaptureLog> {
-        match std::mem::replace(self, CaptureState::Idle) {
-            CaptureState::Capturing(log) => Ok(log),
-            CaptureState::Idle => Err(HalError::CaptureTransition { attempted, state: "idle" }),
+        match self {
+            CaptureState::Capturing(log) => {
+                let taken = {
+                    let mut l = lock(log);
+                    let taken = std::mem::take(&mut *l);
+                    l.closed = true;
+                    taken
+                };
+                *self = CaptureState::Idle;
+                Ok(taken)
+            }
+            s => Err(HalError::CaptureTransition { attempted, state: s.name() }),
         }
     }
 }
@@ -121,8 +171,8 @@ mod tests {
         s.begin("g").expect("idle -> capturing");
         assert!(matches!(s.begin("h"), Err(HalError::CaptureTransition { state: "capturing", .. })));
         match &s {
-            CaptureState::Capturing(log) => assert_eq!(log.label, "g", "the failed begin must not reset the log"),
-            CaptureState::Idle => panic!("state changed"),
+            CaptureState::Capturing(log) => assert_eq!(lock(log).label, "g", "the failed begin must not reset the log"),
+            _ => panic!("state changed"),
         }
         let log = s.finish("end capture on").expect("capturing -> idle");
         assert_eq!(log.label, "g");

@@ -28,7 +28,8 @@ pub enum CaptureOp {
     PageableCopy,
     /// Compiling or loading a module.
     Compile,
-    /// Recording or waiting on an event (multi-stream capture is not supported).
+    /// Recording or waiting on an event (streams join a capture through `Stream::fork_capture` and
+    /// `Stream::join_capture` instead).
     Event,
     /// Replaying a graph into a capturing stream.
     Replay,

@@ -7,7 +7,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
-use crate::backend::{EventImpl, EventOps, StreamImpl, StreamOps};
+use crate::backend::{DeviceOps, EventImpl, EventOps, StreamImpl, StreamOps};
 use crate::capture::{CaptureLog, CaptureState, CaptureStatus, ViewRecord};
 use crate::device::{lock, DeviceShared};
 use crate::dtype::Element;
@@ -19,7 +19,8 @@ use crate::memory::{PinnedBuffer, RawView, View};
 /// An in-order queue of device work.
 pub struct Stream {
     pub(crate) device: Arc<DeviceShared>,
-    pub(crate) inner: StreamImpl,
+    pub(crate) inner: Arc<StreamImpl>,
+    id: u64,
     capture: Mutex<CaptureState>,
 }
 
@@ -31,7 +32,8 @@ impl std::fmt::Debug for Stream {
 
 impl Stream {
     pub(crate) fn new(device: Arc<DeviceShared>, inner: StreamImpl) -> Self {
-        Stream { device, inner, capture: Mutex::new(CaptureState::Idle) }
+        let id = device.next_id();
+        Stream { device, inner: Arc::new(inner), id, capture: Mutex::new(CaptureState::Idle) }
     }
 
     /// The id of the device this stream belongs to.
@@ -39,17 +41,28 @@ impl Stream {
         self.device.id
     }
 
-    /// Whether the stream is capturing, and how much it has recorded.
+    /// The capture state, a branch whose capture has ended settled back to idle.
+    fn state(&self) -> std::sync::MutexGuard<'_, CaptureState> {
+        let mut s = lock(&self.capture);
+        s.settle();
+        s
+    }
+
+    /// Whether the stream takes part in a capture (began it, or was forked into it and not yet
+    /// released by its end), and how much that capture has recorded.
     pub fn capture_status(&self) -> CaptureStatus {
-        match &*lock(&self.capture) {
-            CaptureState::Idle => CaptureStatus::Idle,
-            CaptureState::Capturing(log) => CaptureStatus::Capturing { label: log.label.clone(), ops: log.ops },
+        match self.state().log() {
+            None => CaptureStatus::Idle,
+            Some(log) => {
+                let l = lock(log);
+                CaptureStatus::Capturing { label: l.label.clone(), ops: l.ops }
+            }
         }
     }
 
-    /// True while capturing.
+    /// True while the stream takes part in a capture (see [`Stream::capture_status`]).
     pub fn is_capturing(&self) -> bool {
-        matches!(&*lock(&self.capture), CaptureState::Capturing(_))
+        self.state().log().is_some()
     }
 
     fn same_device(&self, v: &RawView, what: &str) -> Result<()> {
@@ -72,8 +85,16 @@ impl Stream {
     where
         U: Iterator<Item = (&'v str, &'v RawView, bool)>,
     {
-        let mut state = lock(&self.capture);
-        if let CaptureState::Capturing(log) = &mut *state {
+        let state = self.state();
+        let log = match &*state {
+            CaptureState::Idle => None,
+            CaptureState::Capturing(log) | CaptureState::Branch(log) => Some(log.clone()),
+            CaptureState::Joined(_) => {
+                return Err(HalError::CaptureTransition { attempted: "record work on", state: state.name() })
+            }
+        };
+        if let Some(log) = log {
+            let mut log = lock(&log);
             for (arg, v, _) in uses() {
                 if !v.is_persistent() {
                     return Err(HalError::NotGraphStable {
@@ -90,7 +111,7 @@ impl Stream {
                     log.note_read(&v.alloc);
                 }
             }
-            on_log(log);
+            on_log(&mut log);
             log.ops += 1;
             Ok(())
         } else {
@@ -224,17 +245,20 @@ impl Stream {
     /// Makes later work on this stream wait for `event`.
     pub fn wait_event(&self, event: &Event) -> Result<()> {
         if self.is_capturing() {
-            return Err(HalError::IllegalDuringCapture { op: CaptureOp::Event, detail: "stream wait".into() });
+            return Err(HalError::IllegalDuringCapture {
+                op: CaptureOp::Event,
+                detail: "stream wait (order streams inside a capture with fork_capture / join_capture)".into(),
+            });
         }
         self.inner.wait_event(&event.inner)
     }
 
     /// Starts recording: until [`Stream::end_capture`], work on this stream is recorded, not run.
     pub fn begin_capture(&self, label: &str) -> Result<()> {
-        let mut state = lock(&self.capture);
+        let mut state = self.state();
         // Validate the transition first so a rejected one changes nothing.
-        if let CaptureState::Capturing(_) = &*state {
-            return Err(HalError::CaptureTransition { attempted: "begin capture on", state: "capturing" });
+        if !matches!(&*state, CaptureState::Idle) {
+            return Err(HalError::CaptureTransition { attempted: "begin capture on", state: state.name() });
         }
         self.inner.begin_capture()?;
         state.begin(label)?;
@@ -242,11 +266,19 @@ impl Stream {
         Ok(())
     }
 
-    /// Finishes recording and returns the replayable graph.
+    /// Finishes recording and returns the replayable graph. Only the stream that began the
+    /// capture ends it, and only once every stream forked into it has been joined back
+    /// ([`Stream::join_capture`]); the forked streams are idle again afterwards.
     pub fn end_capture(&self) -> Result<Graph> {
-        let mut state = lock(&self.capture);
-        if let CaptureState::Idle = &*state {
-            return Err(HalError::CaptureTransition { attempted: "end capture on", state: "idle" });
+        let mut state = self.state();
+        let CaptureState::Capturing(log) = &*state else {
+            return Err(HalError::CaptureTransition { attempted: "end capture on", state: state.name() });
+        };
+        if !lock(log).unjoined.is_empty() {
+            return Err(HalError::CaptureTransition {
+                attempted: "end capture on",
+                state: "capturing with a forked stream not yet joined back",
+            });
         }
         let result = self.inner.end_capture();
         let log = state.finish("end capture on")?;
@@ -255,26 +287,96 @@ impl Stream {
         Ok(Graph::new(self.device.clone(), result?, log))
     }
 
-    /// Discards the capture in progress (Capturing → Idle); nothing recorded survives.
+    /// Discards the capture in progress (Capturing → Idle); nothing recorded survives. Streams
+    /// forked into it and not yet joined are joined first, then released with it.
     pub fn abort_capture(&self) -> Result<()> {
-        let mut state = lock(&self.capture);
-        if let CaptureState::Idle = &*state {
-            return Err(HalError::CaptureTransition { attempted: "abort capture on", state: "idle" });
+        let mut state = self.state();
+        let CaptureState::Capturing(log) = &*state else {
+            return Err(HalError::CaptureTransition { attempted: "abort capture on", state: state.name() });
+        };
+        let branches: Vec<Arc<StreamImpl>> = std::mem::take(&mut lock(log).unjoined).into_values().collect();
+        let mut result = Ok(());
+        for b in branches {
+            let joined = self.device.inner.create_event().and_then(|e| self.inner.join_capture(&b, &e));
+            result = result.and(joined);
         }
-        let result = self.inner.abort_capture();
+        let aborted = self.inner.abort_capture();
         let _log = state.finish("abort capture on")?;
         drop(state);
         self.device.capture_finished();
-        result
+        result.and(aborted)
+    }
+
+    /// Forks `branch` into this stream's capture: work enqueued on `branch` from now on is recorded
+    /// into the same graph, ordered after everything recorded on this stream so far, and free to
+    /// run concurrently with what this stream records next. `branch` must be another idle stream
+    /// of the same device (or a branch of this capture that was joined back); it follows every
+    /// capture rule while forked, and must be joined back before the capture ends.
+    pub fn fork_capture(&self, branch: &Stream) -> Result<()> {
+        if branch.device.id != self.device.id {
+            return Err(HalError::DeviceMismatch("fork_capture: the branch belongs to another device".into()));
+        }
+        if branch.id == self.id {
+            return Err(HalError::CaptureTransition { attempted: "fork itself into", state: "capturing" });
+        }
+        let log = match &*self.state() {
+            CaptureState::Capturing(l) | CaptureState::Branch(l) => l.clone(),
+            s => return Err(HalError::CaptureTransition { attempted: "fork a branch from", state: s.name() }),
+        };
+        let mut b = branch.state();
+        match &*b {
+            CaptureState::Idle => {}
+            CaptureState::Joined(l) if Arc::ptr_eq(l, &log) => {}
+            s => return Err(HalError::CaptureTransition { attempted: "fork into a capture", state: s.name() }),
+        }
+        let edge = self.device.inner.create_event()?;
+        self.inner.fork_capture(&branch.inner, &edge)?;
+        {
+            let mut l = lock(&log);
+            l.unjoined.insert(branch.id, branch.inner.clone());
+            l.edges.push(edge);
+        }
+        *b = CaptureState::Branch(log);
+        Ok(())
+    }
+
+    /// Joins `branch` (forked into this stream's capture) back: what this stream records next is
+    /// ordered after everything recorded on `branch`. `branch` records nothing more until it is
+    /// forked again or the capture ends.
+    pub fn join_capture(&self, branch: &Stream) -> Result<()> {
+        let log = match &*self.state() {
+            CaptureState::Capturing(l) | CaptureState::Branch(l) => l.clone(),
+            s => return Err(HalError::CaptureTransition { attempted: "join a branch into", state: s.name() }),
+        };
+        let mut b = branch.state();
+        match &*b {
+            CaptureState::Branch(l) if Arc::ptr_eq(l, &log) && branch.id != self.id => {}
+            s => {
+                return Err(HalError::CaptureTransition {
+                    attempted: "join (it is not a forked branch of this capture)",
+                    state: s.name(),
+                })
+            }
+        }
+        let edge = self.device.inner.create_event()?;
+        self.inner.join_capture(&branch.inner, &edge)?;
+        {
+            let mut l = lock(&log);
+            l.unjoined.remove(&branch.id);
+            l.edges.push(edge);
+        }
+        *b = CaptureState::Joined(log);
+        Ok(())
     }
 
     /// Names `view` as an input of the graph being captured; [`Graph::replay_with_inputs`] then
     /// requires the caller to hand the same view (address, length, type) under that name.
     pub fn bind_input(&self, name: &str, view: impl Into<RawView>) -> Result<()> {
         let view = view.into();
-        let mut state = lock(&self.capture);
-        match &mut *state {
-            CaptureState::Capturing(log) => {
+        let state = self.state();
+        match &*state {
+            CaptureState::Capturing(log) | CaptureState::Branch(log) => {
+                let mut log = lock(log);
                 if log.inputs.iter().any(|(n, _)| n == name) {
                     return Err(HalError::Unsupported(format!("graph input `{name}` is bound twice")));
                 }
@@ -282,9 +384,7 @@ impl Stream {
                 log.retain(&view.alloc);
                 Ok(())
             }
-            CaptureState::Idle => {
-                Err(HalError::CaptureTransition { attempted: "bind a graph input on", state: "idle" })
-            }
+            s => Err(HalError::CaptureTransition { attempted: "bind a graph input on", state: s.name() }),
         }
     }
 
@@ -323,7 +423,10 @@ impl Event {
             return Err(HalError::DeviceMismatch("event recorded on a stream of another device".into()));
         }
         if stream.is_capturing() {
-            return Err(HalError::IllegalDuringCapture { op: CaptureOp::Event, detail: "event record".into() });
+            return Err(HalError::IllegalDuringCapture {
+                op: CaptureOp::Event,
+                detail: "event record (order streams inside a capture with fork_capture / join_capture)".into(),
+            });
         }
         self.inner.record(&stream.inner)?;
         self.recorded.store(true, Ordering::Release);

@@ -343,6 +343,110 @@ fn modules_are_compiled_once_per_device(dev: &Device) {
     }
 }
 
+/// A step of two branches: `a = 2·x` on the capturing stream; forked, `b = 3·a` on `side` while
+/// the origin makes `c = x + x`; joined, `out = b + c`. Recorded on `s` (and `side`) eagerly or
+/// into a capture: the same enqueue calls.
+fn forked_step(dev: &Device, s: &Stream, side: &Stream, bufs: &[holdfast_hal::Buffer<f32>; 5], fork: bool) {
+    let [x, a, b, c, out] = bufs;
+    let n = x.len() as u32;
+    let k = |name| kernel(dev, name);
+    s.launch(&k("hf_scale"), cfg(x.len()), &[x.into(), a.into(), 2.0f32.into(), n.into()]).expect("a");
+    let branch = if fork {
+        s.fork_capture(side).expect("fork");
+        side
+    } else {
+        s
+    };
+    branch.launch(&k("hf_scale"), cfg(x.len()), &[a.into(), b.into(), 3.0f32.into(), n.into()]).expect("b");
+    s.launch(&k("hf_add"), cfg(x.len()), &[x.into(), x.into(), c.into(), n.into()]).expect("c");
+    if fork {
+        s.join_capture(side).expect("join");
+    }
+    s.launch(&k("hf_add"), cfg(x.len()), &[b.into(), c.into(), out.into(), n.into()]).expect("out");
+}
+
+fn a_forked_capture_replays_both_branches_in_order(dev: &Device) {
+    let n = 1000;
+    let s = dev.create_stream().expect("stream");
+    let side = dev.create_stream().expect("side stream");
+    let mk = |tag: &str| -> [holdfast_hal::Buffer<f32>; 5] {
+        ["x", "a", "b", "c", "out"].map(|f| dev.alloc_zeroed(&format!("{tag}.{f}"), n, true).expect("buffer"))
+    };
+    let (eager, graph_bufs) = (mk("eager"), mk("graph"));
+    s.begin_capture("forked").expect("begin");
+    forked_step(dev, &s, &side, &graph_bufs, true);
+    assert!(side.is_capturing(), "a joined branch stays part of the open capture");
+    let err = side.launch(&kernel(dev, "hf_touch"), cfg(n), &[(&graph_bufs[0]).into(), (n as u32).into()]);
+    assert!(matches!(err, Err(HalError::CaptureTransition { .. })), "a joined branch records nothing: {err:?}");
+    let g = s.end_capture().expect("end");
+    assert_eq!(g.op_count(), 4);
+    assert_eq!(side.capture_status(), CaptureStatus::Idle, "the capture's end releases its branches");
+    for step in 0..5 {
+        let x = seq(n, step as f32 - 2.0);
+        s.copy_from_host(&x, &eager[0].view()).expect("x");
+        s.copy_from_host(&x, &graph_bufs[0].view()).expect("x");
+        s.copy_from_host(&vec![f32::NAN; n], &graph_bufs[4].view()).expect("poison");
+        forked_step(dev, &s, &side, &eager, false);
+        g.replay(&s).expect("replay");
+        let (e, r) =
+            (s.copy_to_host_sync(&eager[4].view()).expect("e"), s.copy_to_host_sync(&graph_bufs[4].view()).expect("g"));
+        let want: Vec<f32> = x.iter().map(|v| 3.0 * (2.0 * v) + (v + v)).collect();
+        assert_eq!(e, want, "step {step}: eager");
+        assert_eq!(r, want, "step {step}: the replay ran both branches, joined");
+    }
+    // After the capture the side stream runs eagerly again.
+    side.launch(&kernel(dev, "hf_touch"), cfg(n), &[(&eager[0]).into(), (n as u32).into()]).expect("eager side");
+    side.synchronize().expect("sync");
+}
+
+fn fork_and_join_misuse_is_a_precise_error_that_changes_nothing(dev: &Device) {
+    let (s, side, third) =
+        (dev.create_stream().expect("s"), dev.create_stream().expect("side"), dev.create_stream().expect("third"));
+    let x = dev.alloc_from_slice("x", &[0.0f32; 8], true).expect("x");
+    let transient = dev.alloc_from_slice("transient", &[0.0f32; 8], false).expect("transient");
+    let touch = |st: &Stream, b: &holdfast_hal::Buffer<f32>| {
+        st.launch(&kernel(dev, "hf_touch"), cfg(8), &[b.into(), 8u32.into()])
+    };
+    let transition = |r: Result<(), HalError>| assert!(matches!(r, Err(HalError::CaptureTransition { .. })), "{r:?}");
+    transition(s.fork_capture(&side)); // s is not capturing
+    s.begin_capture("g").expect("begin");
+    transition(s.fork_capture(&s)); // into itself
+    transition(s.join_capture(&side)); // never forked
+    s.fork_capture(&side).expect("fork");
+    transition(s.fork_capture(&side)); // already a branch
+    transition(side.begin_capture("nested")); // a branch cannot begin its own capture
+    transition(side.end_capture().map(drop)); // only the origin ends the capture
+    transition(side.abort_capture());
+    // The branch follows the capture rules.
+    assert!(matches!(touch(&side, &transient), Err(HalError::NotGraphStable { .. })));
+    assert!(matches!(side.synchronize(), Err(HalError::IllegalDuringCapture { op: CaptureOp::Synchronize, .. })));
+    touch(&side, &x).expect("branch records");
+    // A branch can fork further branches of the same capture; each must be joined.
+    side.fork_capture(&third).expect("nested fork");
+    touch(&third, &x).expect("third records");
+    match s.end_capture() {
+        Err(HalError::CaptureTransition { state, .. }) => assert!(state.contains("not yet joined"), "{state}"),
+        other => panic!("ending with unjoined branches must fail, got {other:?}"),
+    }
+    assert!(s.is_capturing() && side.is_capturing(), "the failed end changed nothing");
+    side.join_capture(&third).expect("join third");
+    s.join_capture(&side).expect("join side");
+    touch(&s, &x).expect("origin records after the join");
+    let g = s.end_capture().expect("end");
+    assert_eq!(g.op_count(), 3);
+    g.replay(&s).expect("replay");
+    assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![3.0f32; 8]);
+    // Abort with a branch still forked: both are released and nothing ran.
+    s.begin_capture("doomed").expect("begin");
+    s.fork_capture(&side).expect("fork");
+    touch(&side, &x).expect("recorded");
+    s.abort_capture().expect("abort joins and releases the branch");
+    assert!(!s.is_capturing() && !side.is_capturing() && !dev.is_capturing());
+    assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![3.0f32; 8], "aborted work never ran");
+    touch(&side, &x).expect("the released branch runs eagerly");
+    assert_eq!(side.copy_to_host_sync(&x.view()).expect("x"), vec![4.0f32; 8]);
+}
+
 holdfast_hal::device_suite!(
     setup = super::module_for_setup;     eager_kernels_match_their_host_definition,
     memset_copy_and_views_keep_addresses,
@@ -358,4 +462,6 @@ holdfast_hal::device_suite!(
     zero_length_buffers_are_valid_and_empty,
     events_time_device_work,
     modules_are_compiled_once_per_device,
+    a_forked_capture_replays_both_branches_in_order,
+    fork_and_join_misuse_is_a_precise_error_that_changes_nothing,
 );

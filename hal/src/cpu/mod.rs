@@ -256,19 +256,44 @@ impl CpuOp {
     }
 }
 
+/// The operations a capture records, shared by the stream that began it and its forked branches
+/// in the order the host issued them (a valid order for every dependency: a stream can only be
+/// made to wait on work issued before). `None` once the capture has ended.
+type Tape = Arc<Mutex<Option<Vec<CpuOp>>>>;
+
 /// A CPU stream: runs each operation when enqueued, or records it while capturing.
 pub(crate) struct CpuStream {
     core: Arc<CpuCore>,
-    recording: Mutex<Option<Vec<CpuOp>>>,
+    recording: Mutex<Option<Tape>>,
 }
 
 impl CpuStream {
     fn submit(&self, op: CpuOp) -> Result<()> {
-        if let Some(rec) = lock(&self.recording).as_mut() {
-            rec.push(op);
-            return Ok(());
+        let tape = lock(&self.recording).clone();
+        if let Some(tape) = tape {
+            if let Some(ops) = lock(&tape).as_mut() {
+                ops.push(op);
+                return Ok(());
+            }
+            // The capture this stream was forked into has ended.
+            *lock(&self.recording) = None;
         }
         op.execute(&self.core)
+    }
+
+    fn take_tape(&self) -> Vec<CpuOp> {
+        match lock(&self.recording).take() {
+            Some(tape) => lock(&tape).take().unwrap_or_default(),
+            None => Vec::new(),
+        }
+    }
+}
+
+fn cpu_stream(s: &StreamImpl) -> Result<&CpuStream> {
+    #[allow(unreachable_patterns)]
+    match s {
+        StreamImpl::Cpu(s) => Ok(s),
+        _ => Err(wrong_backend("stream")),
     }
 }
 
@@ -328,17 +353,28 @@ impl StreamOps for CpuStream {
     }
 
     fn begin_capture(&self) -> Result<()> {
-        *lock(&self.recording) = Some(Vec::new());
+        *lock(&self.recording) = Some(Arc::new(Mutex::new(Some(Vec::new()))));
         Ok(())
     }
 
     fn end_capture(&self) -> Result<GraphImpl> {
-        let ops = lock(&self.recording).take().unwrap_or_default();
+        let ops = self.take_tape();
         Ok(GraphImpl::Cpu(CpuGraph { core: self.core.clone(), ops }))
     }
 
     fn abort_capture(&self) -> Result<()> {
-        *lock(&self.recording) = None;
+        self.take_tape();
+        Ok(())
+    }
+
+    fn fork_capture(&self, branch: &StreamImpl, _edge: &EventImpl) -> Result<()> {
+        let tape = lock(&self.recording).clone();
+        *lock(&cpu_stream(branch)?.recording) = tape;
+        Ok(())
+    }
+
+    fn join_capture(&self, branch: &StreamImpl, _edge: &EventImpl) -> Result<()> {
+        *lock(&cpu_stream(branch)?.recording) = None;
         Ok(())
     }
 }

@@ -468,6 +468,14 @@ impl StreamOps for CudaStream {
         Ok(GraphImpl::Cuda(CudaGraph { handles: g, nodes }))
     }
 
+    fn fork_capture(&self, branch: &StreamImpl, edge: &EventImpl) -> Result<()> {
+        edge_between(self.raw()?, cuda_stream(branch)?.raw()?, edge)
+    }
+
+    fn join_capture(&self, branch: &StreamImpl, edge: &EventImpl) -> Result<()> {
+        edge_between(cuda_stream(branch)?.raw()?, self.raw()?, edge)
+    }
+
     fn abort_capture(&self) -> Result<()> {
         let stream = self.raw()?;
         // SAFETY: the stream is capturing; the partial graph is destroyed at once.
@@ -482,6 +490,29 @@ impl StreamOps for CudaStream {
             Err(e) => Err(drv("cuStreamEndCapture")(e)),
         }
     }
+}
+
+fn cuda_stream(s: &StreamImpl) -> Result<&CudaStream> {
+    #[allow(unreachable_patterns)]
+    match s {
+        StreamImpl::Cuda(s) => Ok(s),
+        _ => Err(wrong_backend("stream")),
+    }
+}
+
+/// `to` waits for everything enqueued on `from` so far (in a capture: a graph edge, and `to`
+/// joins the capture), through the event `edge`.
+fn edge_between(from: sys::CUstream, to: sys::CUstream, edge: &EventImpl) -> Result<()> {
+    #[allow(unreachable_patterns)]
+    let ev = match edge {
+        EventImpl::Cuda(e) => e.ev,
+        _ => return Err(wrong_backend("event")),
+    };
+    // SAFETY: all three handles belong to the current context (the callers bound it).
+    unsafe { result::event::record(ev, from) }.map_err(drv("cuEventRecord"))?;
+    // SAFETY: as above.
+    unsafe { result::stream::wait_event(to, ev, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+        .map_err(drv("cuStreamWaitEvent"))
 }
 
 /// Counts the nodes of `graph` and how many of them are memory alloc/free nodes.

@@ -466,6 +466,14 @@ impl StreamOps for RocmStream {
         Ok(GraphImpl::Rocm(RocmGraph { handles, nodes }))
     }
 
+    fn fork_capture(&self, branch: &StreamImpl, edge: &EventImpl) -> Result<()> {
+        edge_between(self.raw()?, rocm_stream(branch)?.raw()?, edge)
+    }
+
+    fn join_capture(&self, branch: &StreamImpl, edge: &EventImpl) -> Result<()> {
+        edge_between(rocm_stream(branch)?.raw()?, self.raw()?, edge)
+    }
+
     fn abort_capture(&self) -> Result<()> {
         let s = self.raw()?;
         let mut graph: hip::hipGraph_t = std::ptr::null_mut();
@@ -572,6 +580,28 @@ impl Drop for RocmEvent {
         // SAFETY: destroyed once.
         unsafe { hip::hipEventDestroy(self.ev) };
     }
+}
+
+fn rocm_stream(s: &StreamImpl) -> Result<&RocmStream> {
+    #[allow(unreachable_patterns)]
+    match s {
+        StreamImpl::Rocm(s) => Ok(s),
+        _ => Err(wrong_backend("stream")),
+    }
+}
+
+/// `to` waits for everything enqueued on `from` so far (in a capture: a graph edge, and `to`
+/// joins the capture), through the event `edge`.
+fn edge_between(from: hip::hipStream_t, to: hip::hipStream_t, edge: &EventImpl) -> Result<()> {
+    #[allow(unreachable_patterns)]
+    let ev = match edge {
+        EventImpl::Rocm(e) => e.ev,
+        _ => return Err(wrong_backend("event")),
+    };
+    // SAFETY: live handles of the current device (the callers bound it).
+    check("hipEventRecord", unsafe { hip::hipEventRecord(ev, from) })?;
+    // SAFETY: as above.
+    check("hipStreamWaitEvent", unsafe { hip::hipStreamWaitEvent(to, ev, 0) })
 }
 
 impl EventOps for RocmEvent {
