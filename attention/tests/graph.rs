@@ -82,6 +82,8 @@ struct Step {
     consumer: Kernel,
     sums: Buffer<i32>,
     k: usize,
+    /// Branches for the c128a and c4a builds (and their consumers) while capturing, if set.
+    side: Option<[Stream; 2]>,
 }
 
 impl Step {
@@ -97,7 +99,14 @@ impl Step {
             consumer: dev.compile(&consumer_source()).expect("consumer").kernel("ragged_row_sum").expect("k"),
             sums: dev.alloc_from_slice("sums", &vec![POISON; 3 * rows], true).expect("sums"),
             k,
+            side: None,
         }
+    }
+
+    /// The same, capturing the c128a and c4a builds on branches forked after the upload.
+    fn forked(mut self, dev: &Device) -> Step {
+        self.side = Some([dev.create_stream().expect("side"), dev.create_stream().expect("side")]);
+        self
     }
 
     /// Replays `graph` (the staged step) and checks its sums against `want`; then poisons every
@@ -123,25 +132,50 @@ impl Step {
         assert_eq!(eager, replayed, "step {i}: eager vs replay");
     }
 
-    /// Upload + three builds + three consumers: what a FULL decode graph holds.
+    /// Upload + three builds + three consumers: what a FULL decode graph holds. With side
+    /// streams and `s` capturing, the c128a and c4a builds and their consumers are branches.
     fn run(&self, s: &Stream, rows: usize) -> StepLayout {
         self.common.upload(s).expect("upload");
         s.copy_from_pinned(&self.topk_staging, 0, &self.topk.prefix(rows * self.k).expect("topk view")).expect("topk");
+        let side = self.side.as_ref().filter(|_| s.is_capturing());
+        let (a, b) = match side {
+            Some([a, b]) => {
+                s.fork_capture(a).expect("fork");
+                s.fork_capture(b).expect("fork");
+                (a, b)
+            }
+            None => (s, s),
+        };
+        let c128a = self.c128a.build(a, &self.common).expect("c128a");
+        consume(a, &self.consumer, &c128a.decode.expect("c128a decode").ragged, &self.sums, 1);
+        let c4a = self.c4a.build(b, &self.common, &self.topk.prefix(rows * self.k).expect("topk")).expect("c4a");
+        consume(b, &self.consumer, &c4a.decode.expect("c4a decode").ragged, &self.sums, 2);
         let swa = self.swa.build(s, &self.common).expect("swa");
-        let c128a = self.c128a.build(s, &self.common).expect("c128a");
-        let c4a = self.c4a.build(s, &self.common, &self.topk.prefix(rows * self.k).expect("topk")).expect("c4a");
         consume(s, &self.consumer, &swa.decode.expect("swa decode").ragged, &self.sums, 0);
-        consume(s, &self.consumer, &c128a.decode.expect("c128a decode").ragged, &self.sums, 1);
-        consume(s, &self.consumer, &c4a.decode.expect("c4a decode").ragged, &self.sums, 2);
+        if let Some([a, b]) = side {
+            s.join_capture(a).expect("join");
+            s.join_capture(b).expect("join");
+        }
         swa.layout
     }
 }
 
 fn decode_step_replays_equal_eager_over_fresh_batches(dev: &Device) {
+    replays_equal_eager_over_fresh_batches(dev, false);
+}
+
+fn builds_on_forked_branches_replay_equal_eager(dev: &Device) {
+    replays_equal_eager_over_fresh_batches(dev, true);
+}
+
+/// 50 fresh random batches through one captured step (its c128a and c4a builds on forked
+/// branches if `forked`), each replay checked against the reference and against eager.
+fn replays_equal_eager_over_fresh_batches(dev: &Device, forked: bool) {
     let s = dev.create_stream().expect("stream");
     let (rows, window, k) = (8usize, 128usize, 64usize);
     let cfg: CommonConfig = config(64, 16, 8192, 0, 64, 256);
     let step = Step::new(dev, cfg, rows, window, k);
+    let step = if forked { step.forked(dev) } else { step };
     let mut rng = Rng(0xC0FFEE);
     let mut step = step;
     let stage = |step: &mut Step, rng: &mut Rng| {
@@ -298,6 +332,7 @@ fn a_builder_with_a_fresh_ragged_buffer_is_rejected_at_capture(dev: &Device) {
 
 holdfast_hal::device_suite!(
     decode_step_replays_equal_eager_over_fresh_batches,
+    builds_on_forked_branches_replay_equal_eager,
     incremental_block_table_updates_replay_across_steps,
     a_builder_with_a_fresh_ragged_buffer_is_rejected_at_capture
 );
