@@ -309,7 +309,9 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
                     median(&mut graph_us),
                     steps,
                 )
-                .with_note("one graph: upload, then the three builds on parallel branches; a fresh step staged each time")
+                .with_note(
+                    "one graph: upload, then the three builds on parallel branches; a fresh step staged each time",
+                )
                 .with_bytes(step_bytes(&batch.input(), &cfg))
                 .with_bound(Bound::Copy);
                 if rows == 1024 {

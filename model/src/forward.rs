@@ -103,6 +103,9 @@ pub struct ModelForward {
     /// Query heads, output groups and FFN columns of this rank (the whole model's without
     /// tensor parallelism).
     local: LocalDims,
+    /// A captured step's c128a metadata build runs on this branch, concurrently with the SWA
+    /// build (eager steps run both on the step's stream).
+    side: Stream,
 }
 
 /// The split dimensions one rank computes.
@@ -359,6 +362,7 @@ impl ModelForward {
                 .collect(),
             tp,
             local,
+            side: dev.create_stream()?,
         })
     }
 
@@ -488,17 +492,26 @@ impl ModelForward {
         self.common.upload(s)?;
         s.copy_from_pinned(&self.ids_staging, 0, &self.v::<i32>(buf::IDS, t)?)?;
         s.copy_from_pinned(&self.rows_staging, 0, &self.v::<i32>(buf::ROWS, rp)?)?;
-        let swa = self.swa.build(s, &self.common)?;
-        let swa = swa.decode.ok_or_else(|| ModelError::Step("the SWA builder produced no rows".into()))?.ragged;
+        // Captured: the c128a build on a branch forked after the upload, joined after the SWA
+        // build (the same kernels on the same data either way, so the same bits).
+        let fork = self.c128a.is_some() && s.is_capturing();
+        if fork {
+            s.fork_capture(&self.side)?;
+        }
         let c128a = match &self.c128a {
             Some(b) => Some(
-                b.build(s, &self.common)?
+                b.build(if fork { &self.side } else { s }, &self.common)?
                     .decode
                     .ok_or_else(|| ModelError::Step("the c128a builder produced no rows".into()))?
                     .ragged,
             ),
             None => None,
         };
+        let swa = self.swa.build(s, &self.common)?;
+        let swa = swa.decode.ok_or_else(|| ModelError::Step("the SWA builder produced no rows".into()))?.ragged;
+        if fork {
+            s.join_capture(&self.side)?;
+        }
         Ok(StepMeta { swa, c128a })
     }
 
