@@ -1,6 +1,7 @@
 //! HAL overheads: eager launch cost on the host, graph launch on the host, graph and eager time
-//! per kernel on the device, a 4-byte pinned upload, and (CUDA) the same launches through raw
-//! cudarc in the same run, so the HAL's own cost per launch is the difference.
+//! per kernel on the device (graphs of ordinary and of dependent launches), a 4-byte pinned
+//! upload, and (CUDA) the same launches through raw cudarc in the same run, so the HAL's own cost
+//! per launch is the difference.
 
 use std::time::Instant;
 
@@ -16,6 +17,9 @@ pub const SECTION: &str = "hal";
 
 /// Most HAL overhead per eager launch over raw cudarc, µs.
 pub const OVERHEAD_TARGET_US: f64 = 0.3;
+/// Least device-time speed-up of a replayed step of near-empty kernels over the same step
+/// launched eagerly.
+pub const REPLAY_SPEEDUP_TARGET: f64 = 5.0;
 
 fn block_for(n: usize) -> u32 {
     if n < 256 {
@@ -31,10 +35,27 @@ fn launch(ctx: &Ctx, touch: &Kernel, x: &Buffer<f32>) -> Result<()> {
     Ok(())
 }
 
+/// `hf_touch_dependent` through [`holdfast_hal::Stream::launch_dependent`].
+fn launch_dependent(ctx: &Ctx, touch: &Kernel, x: &Buffer<f32>) -> Result<()> {
+    let n = x.len();
+    ctx.s.launch_dependent(touch, LaunchConfig::for_elements(n, block_for(n)), &[x.into(), (n as u32).into()])?;
+    Ok(())
+}
+
 fn capture(ctx: &Ctx, touch: &Kernel, x: &Buffer<f32>, k: usize) -> Result<Graph> {
+    capture_with(ctx, touch, x, k, launch)
+}
+
+fn capture_with(
+    ctx: &Ctx,
+    touch: &Kernel,
+    x: &Buffer<f32>,
+    k: usize,
+    one: fn(&Ctx, &Kernel, &Buffer<f32>) -> Result<()>,
+) -> Result<Graph> {
     ctx.s.begin_capture("hal")?;
     for _ in 0..k {
-        if let Err(e) = launch(ctx, touch, x) {
+        if let Err(e) = one(ctx, touch, x) {
             ctx.s.abort_capture()?;
             return Err(e);
         }
@@ -97,6 +118,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
             .with_note("host wall time of the enqueue; stream synchronised outside"),
     );
 
+    let mut eager_per_kernel = None;
     if ctx.gpu() {
         let ev = ctx.clock.eager(s, &mut || {
             for _ in 0..k {
@@ -104,6 +126,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
             }
             Ok(())
         })?;
+        eager_per_kernel = Some(ev.median_us / k as f64);
         rows.push(Row::timed(
             SECTION,
             format!("eager, device per kernel ({k} near-empty)"),
@@ -121,15 +144,38 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
         );
         if kk == k {
             let dev = ctx.clock.eager(s, &mut || Ok(g.replay(s)?))?;
+            let per_node = dev.median_us / kk as f64;
+            rows.push(
+                Row::timed(SECTION, format!("graph replay, per node ({kk} near-empty)"), per_node, dev.samples)
+                    .with_note(if ctx.gpu() { "device time / nodes" } else { "wall time / nodes" }),
+            );
+            // The same step with each launch allowed to begin before the previous ends.
+            let touch_dep = m.kernel("hf_touch_dependent")?;
+            let gd = capture_with(ctx, &touch_dep, &tiny, kk, launch_dependent)?;
+            let dd = ctx.clock.eager(s, &mut || Ok(gd.replay(s)?))?;
+            let per_dep = dd.median_us / kk as f64;
             rows.push(
                 Row::timed(
                     SECTION,
-                    format!("graph replay, per node ({kk} near-empty)"),
-                    dev.median_us / kk as f64,
-                    dev.samples,
+                    format!("graph replay, per node ({kk} near-empty, dependent launches)"),
+                    per_dep,
+                    dd.samples,
                 )
-                .with_note(if ctx.gpu() { "device time / nodes" } else { "wall time / nodes" }),
+                .with_note("Stream::launch_dependent: programmatic dependent launch edges (sm_90)"),
             );
+            if let Some(eager) = eager_per_kernel {
+                for (what, node) in [("", per_node), (", dependent launches", per_dep)] {
+                    rows.push(
+                        Row::value(
+                            SECTION,
+                            format!("graph replay over eager, device ({kk} near-empty{what})"),
+                            eager / node,
+                            "×",
+                        )
+                        .with_target(Target::AtLeast(REPLAY_SPEEDUP_TARGET)),
+                    );
+                }
+            }
         }
     }
 

@@ -115,8 +115,18 @@ pub(crate) enum PinnedImpl {
 
 #[enum_dispatch]
 pub(crate) trait StreamOps {
-    /// Launches with `args` already checked against `entry.params` by the front end.
-    fn launch(&self, kernel: &KernelImpl, entry: &Arc<KernelEntry>, cfg: &LaunchConfig, args: &[Arg]) -> Result<()>;
+    /// Launches with `args` already checked against `entry.params` by the front end. `dependent`:
+    /// the launch may begin before the stream's previous kernel has finished (programmatic
+    /// dependent launch; the kernel waits with `hf_grid_dependency_wait`); backends without it
+    /// launch as usual.
+    fn launch(
+        &self,
+        kernel: &KernelImpl,
+        entry: &Arc<KernelEntry>,
+        cfg: &LaunchConfig,
+        args: &[Arg],
+        dependent: bool,
+    ) -> Result<()>;
     fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()>;
     fn copy_d2d(&self, src: u64, dst: u64, bytes: usize) -> Result<()>;
     /// Copy from pageable host memory (never called during capture).

@@ -31,6 +31,13 @@ HF_KERNEL void hf_touch(float* x, uint32_t n) {
     uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) x[i] += 1.0f;
 }
+// hf_touch for Stream::launch_dependent: lets the next launch begin, then waits for the previous.
+HF_KERNEL void hf_touch_dependent(float* x, uint32_t n) {
+    hf_grid_dependents_launch();
+    hf_grid_dependency_wait();
+    uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
 HF_KERNEL void hf_row_sum_bf16(const hf_bf16* x, float* out, uint32_t rows, uint32_t cols) {
     uint32_t r = blockIdx.x;
     if (r >= rows) return;
@@ -115,7 +122,8 @@ fn row_sum_bf16(l: &CpuLaunch<'_>) -> Result<()> {
 
 /// The demo kernel source: `hf_axpy` (y = a·x + y), `hf_scale` (out = s·x), `hf_add`
 /// (out = a + b), `hf_gather` (`out[i] = src[idx[i]]`, 0 for idx < 0), `hf_touch` (x += 1, a
-/// near-empty kernel for overhead measurements) and `hf_row_sum_bf16` (`x [rows, cols]` bf16 →
+/// near-empty kernel for overhead measurements), `hf_touch_dependent` (the same, for
+/// [`crate::Stream::launch_dependent`]) and `hf_row_sum_bf16` (`x [rows, cols]` bf16 →
 /// `out [rows]` f32, one block per row; the CPU sum order differs, so compare within tolerance).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
@@ -161,6 +169,7 @@ pub fn source() -> &'static KernelSource {
                     cpu: gather,
                 },
                 KernelEntry { name: "hf_touch", params: vec![Param::inout::<f32>("x"), n()], cpu: touch },
+                KernelEntry { name: "hf_touch_dependent", params: vec![Param::inout::<f32>("x"), n()], cpu: touch },
                 KernelEntry {
                     name: "hf_row_sum_bf16",
                     params: vec![

@@ -130,6 +130,18 @@ __device__ __forceinline__ int32_t hf_thread_sum_below(uint32_t t, F f) {
     return s;
 }
 
+// Programmatic dependent launch (Stream::launch_dependent): hf_grid_dependency_wait() returns once
+// every kernel launched before this one on its stream has finished and its writes are visible;
+// hf_grid_dependents_launch() lets the next dependent launch begin early. No-ops where the device
+// or backend has no such launch (it was then an ordinary, fully ordered launch).
+#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+__device__ __forceinline__ void hf_grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void hf_grid_dependents_launch() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+#else
+__device__ __forceinline__ void hf_grid_dependency_wait() {}
+__device__ __forceinline__ void hf_grid_dependents_launch() {}
+#endif
+
 #if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
 #define HF_HAS_MMA 1
 // The 32-bit shared-memory address of a generic pointer into shared memory.

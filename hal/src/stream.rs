@@ -122,6 +122,21 @@ impl Stream {
 
     /// Launches `kernel` with `args`, checked against its declared signature.
     pub fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.launch_with(kernel, cfg, args, false)
+    }
+
+    /// As [`Stream::launch`], letting the kernel begin before the kernel launched before it on
+    /// this stream has finished (CUDA programmatic dependent launch, sm_90 and newer; also inside
+    /// a capture, as a programmatic graph edge), which hides the launch latency between
+    /// back-to-back kernels. The kernel must call `hf_grid_dependency_wait()` (the portability
+    /// header) before it touches any memory that earlier work on the stream reads or writes: that
+    /// call returns once every earlier kernel has finished and its writes are visible. Elsewhere
+    /// (other devices, HIP, the CPU backend) this is an ordinary launch and the call is a no-op.
+    pub fn launch_dependent(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+        self.launch_with(kernel, cfg, args, true)
+    }
+
+    fn launch_with(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg], dependent: bool) -> Result<()> {
         if kernel.device_id != self.device.id {
             return Err(HalError::DeviceMismatch(format!(
                 "kernel `{}` was compiled for another device",
@@ -151,7 +166,12 @@ impl Stream {
                 _ => None,
             })
         };
-        self.enqueue(kernel.name(), uses, |_| {}, || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, args))
+        self.enqueue(
+            kernel.name(),
+            uses,
+            |_| {},
+            || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, args, dependent),
+        )
     }
 
     /// Sets every byte of `dst` to `value`.

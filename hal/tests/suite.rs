@@ -447,6 +447,34 @@ fn fork_and_join_misuse_is_a_precise_error_that_changes_nothing(dev: &Device) {
     assert_eq!(side.copy_to_host_sync(&x.view()).expect("x"), vec![4.0f32; 8]);
 }
 
+/// Back-to-back dependent launches touching one buffer, eagerly and from a graph: every touch
+/// waits for the one before (on CUDA sm_90 each may start early and waits in the kernel).
+fn dependent_launches_keep_their_order(dev: &Device) {
+    let (n, k) = (4096usize, 64usize);
+    let s = dev.create_stream().expect("stream");
+    let x = dev.alloc_zeroed::<f32>("x", n, true).expect("x");
+    let touch = kernel(dev, "hf_touch_dependent");
+    let step = || {
+        for _ in 0..k {
+            s.launch_dependent(&touch, cfg(n), &[(&x).into(), (n as u32).into()]).expect("dependent launch");
+        }
+    };
+    step();
+    assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![k as f32; n], "eager");
+    s.begin_capture("dependent").expect("begin");
+    step();
+    let g = s.end_capture().expect("end");
+    assert_eq!(g.op_count(), k);
+    for r in 1..=3 {
+        g.replay(&s).expect("replay");
+        assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![((r + 1) * k) as f32; n], "replay {r}");
+    }
+    // An ordinary kernel after dependent ones still sees all their writes.
+    s.launch(&kernel(dev, "hf_scale"), cfg(n), &[(&x).into(), (&x).into(), 0.5f32.into(), (n as u32).into()])
+        .expect("scale");
+    assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![(2 * k) as f32; n]);
+}
+
 holdfast_hal::device_suite!(
     setup = super::module_for_setup;     eager_kernels_match_their_host_definition,
     memset_copy_and_views_keep_addresses,
@@ -464,4 +492,5 @@ holdfast_hal::device_suite!(
     modules_are_compiled_once_per_device,
     a_forked_capture_replays_both_branches_in_order,
     fork_and_join_misuse_is_a_precise_error_that_changes_nothing,
+    dependent_launches_keep_their_order,
 );

@@ -298,7 +298,14 @@ fn cpu_stream(s: &StreamImpl) -> Result<&CpuStream> {
 }
 
 impl StreamOps for CpuStream {
-    fn launch(&self, kernel: &KernelImpl, entry: &Arc<KernelEntry>, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
+    fn launch(
+        &self,
+        kernel: &KernelImpl,
+        entry: &Arc<KernelEntry>,
+        cfg: &LaunchConfig,
+        args: &[Arg],
+        _dependent: bool, // kernels run one after the other here
+    ) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Cpu(k) => k.f,

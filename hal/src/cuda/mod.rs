@@ -76,6 +76,8 @@ pub(crate) struct CudaDevice {
     upload: Arc<CuStream>,
     /// `CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN`, bytes.
     smem_optin: i32,
+    /// Compute capability major version.
+    sm_major: i32,
 }
 
 impl CudaDevice {
@@ -113,7 +115,7 @@ impl CudaDevice {
             max_shared_mem_per_block: smem_optin as u32,
         };
         let upload = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        Ok((DeviceImpl::Cuda(CudaDevice { ctx, arch, upload, smem_optin }), info))
+        Ok((DeviceImpl::Cuda(CudaDevice { ctx, arch, upload, smem_optin, sm_major: major }), info))
     }
 
     fn bind(&self) -> Result<()> {
@@ -151,7 +153,7 @@ impl DeviceOps for CudaDevice {
 
     fn create_stream(&self) -> Result<StreamImpl> {
         let stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        Ok(StreamImpl::Cuda(CudaStream { ctx: self.ctx.clone(), stream }))
+        Ok(StreamImpl::Cuda(CudaStream { ctx: self.ctx.clone(), stream, dependent_launch: self.sm_major >= 9 }))
     }
 
     fn create_event(&self) -> Result<EventImpl> {
@@ -318,6 +320,8 @@ impl PinnedOps for CudaPinned {
 pub(crate) struct CudaStream {
     ctx: Arc<CudaContext>,
     stream: Arc<CuStream>,
+    /// The device has programmatic dependent launch (sm_90 and newer).
+    dependent_launch: bool,
 }
 
 impl CudaStream {
@@ -328,7 +332,14 @@ impl CudaStream {
 }
 
 impl StreamOps for CudaStream {
-    fn launch(&self, kernel: &KernelImpl, _entry: &Arc<KernelEntry>, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
+    fn launch(
+        &self,
+        kernel: &KernelImpl,
+        _entry: &Arc<KernelEntry>,
+        cfg: &LaunchConfig,
+        args: &[Arg],
+        dependent: bool,
+    ) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Cuda(k) => k.f.0,
@@ -359,6 +370,28 @@ impl StreamOps for CudaStream {
             *p = (v as *mut u64).cast::<c_void>();
         }
         let stream = self.raw()?;
+        if dependent && self.dependent_launch {
+            // SAFETY: a plain C struct (an id, padding and a union of plain values): all-zero is valid.
+            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attr.value.programmaticStreamSerializationAllowed = 1;
+            let config = sys::CUlaunchConfig {
+                gridDimX: cfg.grid.0,
+                gridDimY: cfg.grid.1,
+                gridDimZ: cfg.grid.2,
+                blockDimX: cfg.block.0,
+                blockDimY: cfg.block.1,
+                blockDimZ: cfg.block.2,
+                sharedMemBytes: cfg.shared_mem_bytes,
+                hStream: stream,
+                attrs: &mut attr,
+                numAttrs: 1,
+            };
+            // SAFETY: as below; `config` and `attr` outlive the call.
+            return unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
+                .result()
+                .map_err(drv("cuLaunchKernelEx"));
+        }
         // SAFETY: `f` belongs to this context; argument count and types were checked against the
         // declared signature; `values` outlives the call (the driver copies parameters).
         unsafe { result::launch_kernel(f, cfg.grid, cfg.block, cfg.shared_mem_bytes, stream, params) }

@@ -325,7 +325,14 @@ impl RocmStream {
 }
 
 impl StreamOps for RocmStream {
-    fn launch(&self, kernel: &KernelImpl, _entry: &Arc<KernelEntry>, cfg: &LaunchConfig, args: &[Arg]) -> Result<()> {
+    fn launch(
+        &self,
+        kernel: &KernelImpl,
+        _entry: &Arc<KernelEntry>,
+        cfg: &LaunchConfig,
+        args: &[Arg],
+        _dependent: bool, // HIP has no programmatic dependent launch: an ordinary launch
+    ) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
             KernelImpl::Rocm(k) => k.f.0,
