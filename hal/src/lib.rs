@@ -17,6 +17,16 @@
 //! operation records nothing, so the capture stays usable: the caller may go on and end it, or
 //! abort it.
 //!
+//! ## Branches and dependent launches
+//! A capture may span several streams: [`Stream::fork_capture`] makes another stream record into
+//! the same graph, after what was recorded so far, so the two branches may run concurrently on
+//! replay; [`Stream::join_capture`] orders the capturing stream's next work after the branch's.
+//! Only the stream that began a capture ends it, and never while a branch is unjoined (an abort
+//! joins and releases them). [`Stream::launch_dependent`] lets a kernel begin before the kernel
+//! before it has finished (programmatic dependent launch on sm_90; it waits inside the kernel with
+//! `hf_grid_dependency_wait()`), which hides the launch gap between short back-to-back kernels;
+//! elsewhere it is an ordinary launch.
+//!
 //! ## Why graphs are safe to replay
 //! A [`Graph`] holds every allocation and pinned buffer it touched, so no address it baked in can
 //! be freed or reused while it lives. What remains is *content*: a graph replays whatever the
