@@ -104,8 +104,9 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
         int32_t* dense = indices + (uint64_t)t * width;
         if (vec) {
             // HF_MD_ROUNDS groups of four per pass, their table reads all in flight before any store.
-            const uint32_t step = 4u * blockDim.x;
-            for (uint32_t p0 = 4u * threadIdx.x; p0 < width; p0 += HF_MD_ROUNDS * step) {
+            const uint32_t step = 4u * blockDim.x, lane = threadIdx.x % HF_WARP_SIZE;
+            // The bound is the warp's first entry, so whole warps take part in the shuffles.
+            for (uint32_t p0 = 4u * threadIdx.x; p0 - 4u * lane < width; p0 += HF_MD_ROUNDS * step) {
                 hf_md_i4 o[HF_MD_ROUNDS];
 #pragma unroll
                 for (int g = 0; g < HF_MD_ROUNDS; ++g) {
@@ -121,14 +122,25 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
                         }
                     }
                 }
+                // The ragged copy: a warp's 4 · warp entries are contiguous, so they are
+                // transposed with shuffles and stored one word per lane (whole lines, whatever
+                // the row's offset), not four words per lane at a 16-byte stride.
 #pragma unroll
                 for (int g = 0; g < HF_MD_ROUNDS; ++g) {
                     const uint32_t j0 = p0 + (uint32_t)g * step;
-                    if (j0 >= width) break;
-                    *reinterpret_cast<hf_md_i4*>(dense + j0) = o[g];
+                    if (j0 < width) *reinterpret_cast<hf_md_i4*>(dense + j0) = o[g];
+                    const uint32_t wbase = j0 - 4u * lane;  // the warp's first entry
 #pragma unroll
-                    for (int e = 0; e < 4; ++e)
-                        if ((int32_t)j0 + e < c) flat[base + (int32_t)j0 + e] = o[g].v[e];
+                    for (int r = 0; r < 4; ++r) {
+                        const uint32_t q = (uint32_t)r * HF_WARP_SIZE + lane;
+                        const int src = (int)(q >> 2);
+                        const int32_t x0 = hf_shfl(o[g].v[0], src), x1 = hf_shfl(o[g].v[1], src);
+                        const int32_t x2 = hf_shfl(o[g].v[2], src), x3 = hf_shfl(o[g].v[3], src);
+                        const uint32_t e = q & 3u;
+                        const int32_t val = e == 0u ? x0 : e == 1u ? x1 : e == 2u ? x2 : x3;
+                        const int32_t jq = (int32_t)(wbase + q);
+                        if (jq < c) flat[base + jq] = val;
+                    }
                 }
             }
         } else {
