@@ -10,7 +10,7 @@ use crate::common::{
     RaggedBuffers, StepLayout, TableKind,
 };
 use crate::error::{AttentionError, Result};
-use crate::source::{row_grid, AttnKernels, C4A_THREADS};
+use crate::source::{row_grid, AttnKernels, C4A_BLOCKS_PER_UNIT, C4A_SYNC_WORDS, C4A_THREADS};
 
 /// Tokens per c4a compressed entry.
 pub const C4A_RATIO: usize = 4;
@@ -47,6 +47,10 @@ pub struct C4aBuilder {
     attn: AttnKernels,
     lens: Buffer<i32>,
     ragged: RaggedBuffers,
+    /// The kernel's block counters (zero between launches).
+    sync: Buffer<i32>,
+    /// Most blocks per launch: all of them must be resident at once.
+    max_blocks: usize,
 }
 
 impl std::fmt::Debug for C4aBuilder {
@@ -76,7 +80,11 @@ impl C4aBuilder {
         }
         let t = cfg.max_num_batched_tokens;
         let ragged = RaggedBuffers::new(dev, alloc, "attn.c4a.ragged", t, topk)?;
+        let sync = dev.alloc_persistent::<i32>("attn.c4a.sync", C4A_SYNC_WORDS)?;
+        dev.write_sync(&sync, &[0; C4A_SYNC_WORDS])?;
         Ok(C4aBuilder {
+            sync,
+            max_blocks: dev.info().compute_units.max(1) as usize * C4A_BLOCKS_PER_UNIT,
             topk,
             cbs: bs / C4A_RATIO,
             max_tokens: t,
@@ -102,8 +110,8 @@ impl C4aBuilder {
     }
 
     /// Enqueues the step's c4a decode build on `s` from `topk_indices` (`[≥ num_decode_tokens,
-    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 2 launches (count, then scan + pack),
-    /// no host sync.
+    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 1 launch (the
+    /// lengths, then scan + pack, in two phases of one grid), no host sync.
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata, topk_indices: &View<i32>) -> Result<C4aMetadata> {
         let c = common.config();
         if c.max_num_batched_tokens > self.max_tokens {
@@ -135,18 +143,7 @@ impl C4aBuilder {
             );
             let lens = self.lens.slice(0, d)?;
             let ragged = self.ragged.views(d)?;
-            let count = [
-                (&topk).into(),
-                (&pos).into(),
-                (&slots).into(),
-                (&req).into(),
-                (&lens).into(),
-                (d as u32).into(),
-                (k as u32).into(),
-                (C4A_RATIO as u32).into(),
-            ];
-            s.launch(&self.attn.c4a_count, row_grid(d, C4A_THREADS), &count)?;
-            let pack = [
+            let args = [
                 (&topk).into(),
                 (&pos).into(),
                 (&slots).into(),
@@ -156,14 +153,16 @@ impl C4aBuilder {
                 (&lens).into(),
                 (&ragged.indptr).into(),
                 (&ragged.indices).into(),
+                (&self.sync).into(),
                 (d as u32).into(),
                 (k as u32).into(),
                 (C4A_RATIO as u32).into(),
                 (self.cbs as u32).into(),
                 (bt.max_blocks_per_seq as u32).into(),
             ];
-            s.launch(&self.attn.c4a_pack, row_grid(d, C4A_THREADS), &pack)?;
-            Ok((Some(C4aDecode { lens, ragged }), 2))
+            // Its two phases wait for each other: a grid the device holds at once.
+            s.launch(&self.attn.c4a_decode, row_grid(d.min(self.max_blocks), C4A_THREADS), &args)?;
+            Ok((Some(C4aDecode { lens, ragged }), 1))
         })?;
         Ok(C4aMetadata { layout, decode, stats: BuildStats { launches, host_syncs } })
     }

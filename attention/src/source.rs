@@ -175,45 +175,50 @@ HF_KERNEL void hf_dsv4_c128a_prefill(const int32_t* positions, const int32_t* sl
 #define HF_C4A_UNROLL 8
 __device__ __forceinline__ bool hf_c4a_keep(int32_t v, int32_t avail) { return v >= 0 && v < avail; }
 
-// lens[t] = kept entries of row t.
-HF_KERNEL void hf_dsv4_c4a_count(const int32_t* topk, const int32_t* positions, const int32_t* slots,
-                                 const int32_t* tok_req, int32_t* lens, uint32_t n, uint32_t k, uint32_t ratio) {
+// The c4a decode build in one launch, in two phases over the rows (a grid-stride loop each):
+// (1) lens[t] = kept entries of row t; then, once every block has finished (1) (a counter in
+// `sync`: the grid is small enough to be resident all at once, see the launcher), (2) indptr[0] =
+// 0, indptr[t + 1] = lens[0] + ... + lens[t], and flat[indptr[t] + i] = global slot of the i-th
+// kept entry of row t (row order preserved). Each block sums the lengths before its row
+// (integers: exact in any order); thread h owns the contiguous chunk [h * ceil(k / T), ...) of the
+// row, so a block scan of the per-thread counts keeps the order. sync[0] counts the blocks done
+// with (1), sync[1] those done with (2); the last to finish zeroes both for the next launch.
+HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions, const int32_t* slots,
+                                  const int32_t* tok_req, const int32_t* table_rows, const int32_t* block_table,
+                                  int32_t* lens, int32_t* indptr, int32_t* flat, int32_t* sync_i, uint32_t n,
+                                  uint32_t k, uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
     __shared__ int32_t part[HF_C4A_THREADS];
+    uint32_t* sync = reinterpret_cast<uint32_t*>(sync_i);
+    const uint32_t chunk = (k + HF_C4A_THREADS - 1) / HF_C4A_THREADS;
+    const uint32_t begin = threadIdx.x * chunk;
+    const uint32_t end = begin + chunk < k ? begin + chunk : k;
+    const bool held = chunk <= HF_C4A_UNROLL;
+    // (1) the lengths.
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        bool valid = slots[t] >= 0 && tok_req[t] >= 0;
-        int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
+        const bool valid = slots[t] >= 0 && tok_req[t] >= 0;
+        const int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
         const int32_t* row = topk + (uint64_t)t * k;
         const int32_t c = hf_thread_sum_below(k, [&](uint32_t j) { return (int32_t)hf_c4a_keep(row[j], avail); });
         const int32_t total = hf_block_sum_i32(c, part);
         if (threadIdx.x == 0) lens[t] = total;
     }
-}
-
-// indptr[0] = 0, indptr[t + 1] = lens[0] + ... + lens[t] (lens from hf_dsv4_c4a_count), and
-// flat[indptr[t] + i] = global slot of the i-th kept entry of row t (row order preserved): the
-// scan and the pack in one launch. The block first sums the lengths before its row (integers,
-// exact in any order); then thread h owns the contiguous chunk [h * ceil(k / T), ...) of the row,
-// so a block scan of the per-thread counts keeps the order.
-HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, const int32_t* slots,
-                                const int32_t* tok_req, const int32_t* table_rows, const int32_t* block_table,
-                                const int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t k,
-                                uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
-    __shared__ int32_t part[HF_C4A_THREADS];
-    uint32_t chunk = (k + HF_C4A_THREADS - 1) / HF_C4A_THREADS;
-    uint32_t begin = threadIdx.x * chunk;
-    uint32_t end = begin + chunk < k ? begin + chunk : k;
+    __syncthreads();
+    if (threadIdx.x == 0) hf_release_add_u32(&sync[0]);
+    if (threadIdx.x == 0) hf_acquire_until_u32(&sync[0], gridDim.x);
+    __syncthreads();
+    // (2) scan and pack. The lengths were written by other blocks in this launch: volatile loads.
+    const volatile int32_t* vlens = lens;
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        const int32_t before = hf_thread_sum_below(t, [&](uint32_t q) { return lens[q]; });
+        const int32_t before = hf_thread_sum_below(t, [&](uint32_t q) { return (int32_t)vlens[q]; });
         const int32_t base = hf_block_sum_i32(before, part);
-        if (threadIdx.x == 0) indptr[t + 1] = base + lens[t];
+        if (threadIdx.x == 0) indptr[t + 1] = base + vlens[t];
         int32_t req = tok_req[t];
         bool valid = slots[t] >= 0 && req >= 0;
         int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
         const int32_t* in = topk + (uint64_t)t * k;
         // Chunks of up to HF_C4A_UNROLL entries (index_topk <= 1024) are held in registers, their
         // loads (and then their table reads) all in flight at once.
-        const bool held = chunk <= HF_C4A_UNROLL;
         int32_t v[HF_C4A_UNROLL];
         int32_t c = 0;
         if (held) {
@@ -242,6 +247,12 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
         }
         __syncthreads();
     }
+    // Leave: the last block resets both counters.
+    __syncthreads();
+    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1u) == gridDim.x - 1) {
+        atomicExch(&sync[0], 0u);
+        atomicExch(&sync[1], 0u);
+    }
 }
 
 // Block-table updates: updates[0] = n (clamped to [0, capacity]), then n pairs (cell, block). A
@@ -263,8 +274,14 @@ HF_KERNEL void hf_dsv4_block_table_scatter(const int32_t* updates, int32_t* swa_
 /// Threads per block of the block-table scatter.
 pub(crate) const SCATTER_THREADS: u32 = 256;
 
-/// Threads per block of the c4a kernels (their launchers must use exactly this many).
+/// Threads per block of the c4a kernel (its launcher must use exactly this many).
 pub const C4A_THREADS: u32 = 128;
+/// Counter words of the c4a kernel's `sync` buffer (zero between launches).
+pub const C4A_SYNC_WORDS: usize = 2;
+/// Blocks of the c4a kernel per multiprocessor at most: its two phases wait for each other, so
+/// its whole grid must be resident at once (128-thread blocks with 1 KiB of shared memory: a
+/// multiprocessor holds far more than this).
+pub(crate) const C4A_BLOCKS_PER_UNIT: usize = 4;
 
 /// `(valid, position, request)` of token `t`.
 fn token(pos: &CpuPtr<'_, i32>, slots: &CpuPtr<'_, i32>, req: &CpuPtr<'_, i32>, t: usize) -> Result<(bool, i64, i64)> {
@@ -391,36 +408,31 @@ fn c128a_prefill(l: &CpuLaunch<'_>) -> Result<()> {
     Ok(())
 }
 
-fn c4a_count(l: &CpuLaunch<'_>) -> Result<()> {
-    let (topk, pos, slots, req, lens) =
-        (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?, l.ptr::<i32>(4)?);
-    let (n, k, ratio) = (l.count(5)?, l.count(6)?, l.count(7)? as i64);
-    for t in 0..n {
-        let (valid, p, _) = token(&pos, &slots, &req, t)?;
-        let avail = if valid { (p + 1) / ratio } else { 0 };
-        let row = topk.read(t * k, k)?;
-        let c = row.iter().filter(|&&v| v >= 0 && i64::from(v) < avail).count();
-        lens.set(t, c as i32)?;
-    }
-    Ok(())
-}
-
-fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
+fn c4a_decode(l: &CpuLaunch<'_>) -> Result<()> {
     let (topk, pos, slots, req) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
     let (rows, bt, lens) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?);
-    let (indptr, flat) = (l.ptr::<i32>(7)?, l.ptr::<i32>(8)?);
-    let (n, k, ratio, cbs, w) = (l.count(9)?, l.count(10)?, l.count(11)? as i64, l.count(12)? as i64, l.count(13)?);
-    // The exclusive scan of the lengths (two's-complement adds, as the device's).
+    let (indptr, flat, sync) = (l.ptr::<i32>(7)?, l.ptr::<i32>(8)?, l.ptr::<i32>(9)?);
+    let (n, k, ratio, cbs, w) = (l.count(10)?, l.count(11)?, l.count(12)? as i64, l.count(13)? as i64, l.count(14)?);
+    if sync.len() < C4A_SYNC_WORDS {
+        return Err(l.fail(format!("`sync` holds {} words, the launch needs {C4A_SYNC_WORDS}", sync.len())));
+    }
+    // (1) The lengths, then (2) their exclusive scan (two's-complement adds, as the device's)
+    // and the pack.
+    let mut keep = Vec::with_capacity(n);
+    for t in 0..n {
+        let (valid, p, r) = token(&pos, &slots, &req, t)?;
+        keep.push((valid, if valid { (p + 1) / ratio } else { 0 }, r));
+    }
     let mut starts = Vec::with_capacity(n + 1);
     starts.push(0i32);
-    for (t, v) in lens.read(0, n)?.into_iter().enumerate() {
-        starts.push(starts[t].wrapping_add(v));
+    for (t, &(_, avail, _)) in keep.iter().enumerate() {
+        let c = topk.read(t * k, k)?.into_iter().filter(|&v| v >= 0 && i64::from(v) < avail).count() as i32;
+        lens.set(t, c)?;
+        starts.push(starts[t].wrapping_add(c));
     }
     indptr.write(0, &starts)?;
     let mut out = Vec::with_capacity(k);
-    for (t, &base) in starts[..n].iter().enumerate() {
-        let (valid, p, r) = token(&pos, &slots, &req, t)?;
-        let avail = if valid { (p + 1) / ratio } else { 0 };
+    for (t, &(valid, avail, r)) in keep.iter().enumerate() {
         out.clear();
         let tr = if valid { table_row(&rows, r)? } else { 0 };
         for v in topk.read(t * k, k)? {
@@ -431,6 +443,7 @@ fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
         if out.is_empty() {
             continue;
         }
+        let base = starts[t];
         let base = usize::try_from(base).map_err(|_| l.fail(format!("indptr[{t}] = {base} is negative")))?;
         flat.write(base, &out)?;
     }
@@ -522,21 +535,7 @@ pub fn source() -> &'static KernelSource {
                     cpu: c128a_prefill,
                 },
                 KernelEntry {
-                    name: "hf_dsv4_c4a_count",
-                    params: vec![
-                        inp("topk"),
-                        inp("positions"),
-                        inp("slots"),
-                        inp("tok_req"),
-                        out("lens"),
-                        u("n"),
-                        u("k"),
-                        u("ratio"),
-                    ],
-                    cpu: c4a_count,
-                },
-                KernelEntry {
-                    name: "hf_dsv4_c4a_pack",
+                    name: "hf_dsv4_c4a_decode",
                     params: vec![
                         inp("topk"),
                         inp("positions"),
@@ -544,16 +543,17 @@ pub fn source() -> &'static KernelSource {
                         inp("tok_req"),
                         inp("table_rows"),
                         inp("block_table"),
-                        inp("lens"),
+                        Param::inout::<i32>("lens"),
                         out("indptr"),
                         out("flat"),
+                        Param::inout::<i32>("sync"),
                         u("n"),
                         u("k"),
                         u("ratio"),
                         u("cbs"),
                         u("bt_width"),
                     ],
-                    cpu: c4a_pack,
+                    cpu: c4a_decode,
                 },
                 KernelEntry {
                     name: "hf_dsv4_block_table_scatter",
@@ -584,8 +584,7 @@ pub(crate) struct AttnKernels {
     pub(crate) swa_prefill_gather_lens: holdfast_hal::Kernel,
     pub(crate) c128a_decode: holdfast_hal::Kernel,
     pub(crate) c128a_prefill: holdfast_hal::Kernel,
-    pub(crate) c4a_count: holdfast_hal::Kernel,
-    pub(crate) c4a_pack: holdfast_hal::Kernel,
+    pub(crate) c4a_decode: holdfast_hal::Kernel,
     pub(crate) block_table_scatter: holdfast_hal::Kernel,
 }
 
@@ -598,8 +597,7 @@ impl AttnKernels {
             swa_prefill_gather_lens: m.kernel("hf_dsv4_swa_prefill_gather_lens")?,
             c128a_decode: m.kernel("hf_dsv4_c128a_decode")?,
             c128a_prefill: m.kernel("hf_dsv4_c128a_prefill")?,
-            c4a_count: m.kernel("hf_dsv4_c4a_count")?,
-            c4a_pack: m.kernel("hf_dsv4_c4a_pack")?,
+            c4a_decode: m.kernel("hf_dsv4_c4a_decode")?,
             block_table_scatter: m.kernel("hf_dsv4_block_table_scatter")?,
         })
     }

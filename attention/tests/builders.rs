@@ -253,11 +253,27 @@ fn views_depend_only_on_the_padded_row_count(dev: &Device) {
     }
 }
 
+/// More decode rows than the c4a kernel's grid (all resident at once: 4 blocks per
+/// multiprocessor, 528 on an H200) has blocks, so each block builds several rows in each phase.
+fn more_rows_than_blocks_are_built_by_grid_strides(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(0xB10C);
+    let rows = 4 * dev.info().compute_units.max(1) as usize + 173;
+    let cfg = config(rows, rows, 2048, 0, 64, 256);
+    let mut rig = Rig::new(dev, cfg, 128, 64);
+    for _ in 0..2 {
+        let b = random_batch(&mut rng, &cfg, rows, 0, 0, 0);
+        let l = rig.check(dev, &s, &b, &mut rng);
+        assert_eq!(l.num_decode_tokens, rows);
+    }
+}
+
 holdfast_hal::device_suite!(
     builders_match_the_reference_on_random_batches,
     uniform_padded_decode_rows_are_all_decode_rows_of_length_zero,
     bad_inputs_are_errors_before_any_kernel,
     views_depend_only_on_the_padded_row_count,
+    more_rows_than_blocks_are_built_by_grid_strides,
 );
 
 #[test]

@@ -130,6 +130,34 @@ __device__ __forceinline__ int32_t hf_thread_sum_below(uint32_t t, F f) {
     return s;
 }
 
+// Cross-block signalling within one launch. After a block barrier, one thread adds 1 to a counter
+// with release semantics (everything the block wrote before the barrier is visible to whoever
+// acquires the new value); a waiting thread loads the counter with acquire semantics until it
+// reaches its target, and its own block barrier then passes the guarantee on. NVIDIA:
+// red.release.gpu and ld.acquire.gpu (no full fence); HIP: a fence and an atomic, a volatile poll
+// and a fence. Only for blocks that are all resident at once (the caller sizes its grid so).
+__device__ __forceinline__ void hf_release_add_u32(uint32_t* counter) {
+#if defined(HF_CUDA)
+    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+#else
+    __threadfence();
+    atomicAdd(counter, 1u);
+#endif
+}
+
+__device__ __forceinline__ void hf_acquire_until_u32(const uint32_t* counter, uint32_t target) {
+#if defined(HF_CUDA)
+    uint32_t v;
+    do {
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    } while (v < target);
+#else
+    while (*(const volatile uint32_t*)counter < target) {
+    }
+    __threadfence();
+#endif
+}
+
 // Programmatic dependent launch (Stream::launch_dependent): hf_grid_dependency_wait() returns once
 // every kernel launched before this one on its stream has finished and its writes are visible;
 // hf_grid_dependents_launch() lets the next dependent launch begin early. No-ops where the device

@@ -314,40 +314,13 @@ __device__ __forceinline__ uint32_t mhc_claim(uint32_t* sync) {
     return s_ticket;
 }
 
-// Cross-block signalling. After a block barrier, one thread adds 1 to a counter with release
-// semantics (everything the block wrote before the barrier is visible to whoever acquires the new
-// value); a waiting thread loads the counter with acquire semantics until it reaches its target,
-// then its block barrier passes the guarantee on. On NVIDIA these are red.release.gpu and
-// ld.acquire.gpu (no full fence); on HIP a fence and an atomic, and a volatile poll and a fence.
-__device__ __forceinline__ void mhc_release_add(uint32_t* counter) {
-#if defined(HF_CUDA)
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
-#else
-    __threadfence();
-    atomicAdd(counter, 1u);
-#endif
-}
-
-__device__ __forceinline__ void mhc_acquire_until(const uint32_t* counter, uint32_t target) {
-#if defined(HF_CUDA)
-    uint32_t v;
-    do {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-    } while (v < target);
-#else
-    while (*(const volatile uint32_t*)counter < target) {
-    }
-    __threadfence();
-#endif
-}
-
 __device__ __forceinline__ void mhc_arrive(uint32_t* sync, uint32_t tile) {
     __syncthreads();
-    if (threadIdx.x == 0) mhc_release_add(&sync[1 + 2 * tile]);
+    if (threadIdx.x == 0) hf_release_add_u32(&sync[1 + 2 * tile]);
 }
 
 __device__ __forceinline__ void mhc_wait(uint32_t* sync, uint32_t tile, uint32_t S) {
-    if (threadIdx.x == 0) mhc_acquire_until(sync + 1 + 2 * tile, S);
+    if (threadIdx.x == 0) hf_acquire_until_u32(sync + 1 + 2 * tile, S);
     __syncthreads();
 }
 
@@ -962,8 +935,8 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, bool vec, uint32_t ticket
     }
     __syncthreads();
     if (threadIdx.x == 0) {
-        mhc_release_add(&a.sync[2 + 2 * q]);
-        mhc_acquire_until(a.sync + 2 + 2 * q, S);
+        hf_release_add_u32(&a.sync[2 + 2 * q]);
+        hf_acquire_until_u32(a.sync + 2 + 2 * q, S);
     }
     __syncthreads();
 
