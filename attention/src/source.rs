@@ -21,8 +21,9 @@ __device__ __forceinline__ int32_t hf_slot(const int32_t* row, int32_t p, int32_
 // (The three loads are unconditional, so a loop of these keeps them all in flight.)
 __device__ __forceinline__ int32_t hf_swa_len(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
                                               uint32_t t, uint32_t window) {
-    const int32_t s = slots[t], r = tok_req[t], p1 = positions[t] + 1;
-    const int32_t len = p1 < (int32_t)window ? p1 : (int32_t)window;
+    const int32_t s = slots[t], r = tok_req[t];
+    const uint32_t p1 = (uint32_t)positions[t] + 1u;  // unsigned: no overflow on a padding row
+    const int32_t len = (int32_t)(p1 < window ? p1 : window);
     return (s < 0 || r < 0) ? 0 : len;
 }
 
@@ -202,8 +203,7 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
         const int32_t total = hf_block_sum_i32(c, part);
         if (threadIdx.x == 0) lens[t] = total;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) hf_release_add_u32(&sync[0]);
+    hf_block_release_add_u32(&sync[0]);
     if (threadIdx.x == 0) hf_acquire_until_u32(&sync[0], gridDim.x);
     __syncthreads();
     // (2) scan and pack. The lengths were written by other blocks in this launch: volatile loads.

@@ -34,7 +34,7 @@ pub const HOST_TARGET_US: f64 = 10.0;
 /// measured at 170–210 µs whatever the batch): the lower end.
 pub const VLLM_STEP_US: f64 = 170.0;
 /// Least ratio of [`VLLM_STEP_US`] to our host µs per builder per step (`170 / 15 ≈ 11 µs`, the
-/// same bound as [`HOST_TARGET_US`]).
+/// bound that [`HOST_TARGET_US`] rounds down to 10).
 pub const VLLM_SPEEDUP_TARGET: f64 = 15.0;
 const WINDOW: usize = 128;
 const TOPK: usize = 512;

@@ -52,6 +52,9 @@ pub(crate) struct CaptureLog {
     pub(crate) ops: usize,
     /// Forked streams not yet joined back: their id and backend stream.
     pub(crate) unjoined: BTreeMap<u64, Arc<StreamImpl>>,
+    /// Every stream forked into the capture, kept alive until it closes (a CUDA stream stays part
+    /// of the capture after its join, so it must not be destroyed before the end).
+    pub(crate) branches: Vec<Arc<StreamImpl>>,
     /// The fork / join events, kept until the capture ends.
     pub(crate) edges: Vec<EventImpl>,
     /// Set when the capture ended or was aborted: its branches are idle again.

@@ -130,23 +130,29 @@ __device__ __forceinline__ int32_t hf_thread_sum_below(uint32_t t, F f) {
     return s;
 }
 
-// Cross-block signalling within one launch. After a block barrier, one thread adds 1 to a counter
-// with release semantics (everything the block wrote before the barrier is visible to whoever
-// acquires the new value); a waiting thread loads the counter with acquire semantics until it
-// reaches its target, and its own block barrier then passes the guarantee on. NVIDIA:
-// red.release.gpu and ld.acquire.gpu (no full fence); HIP: a fence and an atomic, a volatile poll
-// and a fence. Only for blocks that are all resident at once (the caller sizes its grid so).
-__device__ __forceinline__ void hf_release_add_u32(uint32_t* counter) {
-#if defined(HF_CUDA)
-    asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
+// Cross-block signalling within one launch, for blocks that are all resident at once (the caller
+// sizes its grid so). hf_block_release_add_u32, called by every thread of a block, publishes what
+// the block wrote and then adds 1 to a counter; hf_acquire_until_u32, called by one thread, waits
+// until the counter reaches a target (that thread's block barrier then passes the guarantee on).
+// NVIDIA sm_70+: a block barrier, then red.release.gpu by one thread, and ld.acquire.gpu polls (no
+// full fence); elsewhere every thread fences before the barrier, and the poll is volatile, then
+// fenced.
+#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 700)
+#define HF_RELEASE_ACQUIRE 1
+#endif
+__device__ __forceinline__ void hf_block_release_add_u32(uint32_t* counter) {
+#if defined(HF_RELEASE_ACQUIRE)
+    __syncthreads();
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(counter) : "memory");
 #else
     __threadfence();
-    atomicAdd(counter, 1u);
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(counter, 1u);
 #endif
 }
 
 __device__ __forceinline__ void hf_acquire_until_u32(const uint32_t* counter, uint32_t target) {
-#if defined(HF_CUDA)
+#if defined(HF_RELEASE_ACQUIRE)
     uint32_t v;
     do {
         asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");

@@ -24,6 +24,17 @@ pub struct Stream {
     capture: Mutex<CaptureState>,
 }
 
+impl Drop for Stream {
+    /// A stream dropped while its capture is open aborts it (releasing the streams forked into
+    /// it and the device's capture rules); a forked branch dropped before its join stays alive in
+    /// its capture until that ends.
+    fn drop(&mut self) {
+        if matches!(&*self.state(), CaptureState::Capturing(_)) {
+            let _ = self.abort_capture();
+        }
+    }
+}
+
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Stream(device {}, {:?})", self.device.id, self.capture_status())
@@ -314,11 +325,18 @@ impl Stream {
         let CaptureState::Capturing(log) = &*state else {
             return Err(HalError::CaptureTransition { attempted: "abort capture on", state: state.name() });
         };
-        let branches: Vec<Arc<StreamImpl>> = std::mem::take(&mut lock(log).unjoined).into_values().collect();
         let mut result = Ok(());
-        for b in branches {
-            let joined = self.device.inner.create_event().and_then(|e| self.inner.join_capture(&b, &e));
-            result = result.and(joined);
+        {
+            let mut l = lock(log);
+            let branches: Vec<Arc<StreamImpl>> = std::mem::take(&mut l.unjoined).into_values().collect();
+            for b in branches {
+                let joined = self.device.inner.create_event().and_then(|e| {
+                    self.inner.join_capture(&b, &e)?;
+                    l.edges.push(e);
+                    Ok(())
+                });
+                result = result.and(joined);
+            }
         }
         let aborted = self.inner.abort_capture();
         let _log = state.finish("abort capture on")?;
@@ -349,11 +367,16 @@ impl Stream {
             CaptureState::Joined(l) if Arc::ptr_eq(l, &log) => {}
             s => return Err(HalError::CaptureTransition { attempted: "fork into a capture", state: s.name() }),
         }
-        let edge = self.device.inner.create_event()?;
-        self.inner.fork_capture(&branch.inner, &edge)?;
         {
+            // Under the log's lock, so the capture cannot end between the check and the fork.
             let mut l = lock(&log);
+            if l.closed {
+                return Err(HalError::CaptureTransition { attempted: "fork a branch from", state: "idle" });
+            }
+            let edge = self.device.inner.create_event()?;
+            self.inner.fork_capture(&branch.inner, &edge)?;
             l.unjoined.insert(branch.id, branch.inner.clone());
+            l.branches.push(branch.inner.clone());
             l.edges.push(edge);
         }
         *b = CaptureState::Branch(log);
@@ -378,10 +401,13 @@ impl Stream {
                 })
             }
         }
-        let edge = self.device.inner.create_event()?;
-        self.inner.join_capture(&branch.inner, &edge)?;
         {
             let mut l = lock(&log);
+            if l.closed {
+                return Err(HalError::CaptureTransition { attempted: "join a branch into", state: "idle" });
+            }
+            let edge = self.device.inner.create_event()?;
+            self.inner.join_capture(&branch.inner, &edge)?;
             l.unjoined.remove(&branch.id);
             l.edges.push(edge);
         }

@@ -445,6 +445,16 @@ fn fork_and_join_misuse_is_a_precise_error_that_changes_nothing(dev: &Device) {
     assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![3.0f32; 8], "aborted work never ran");
     touch(&side, &x).expect("the released branch runs eagerly");
     assert_eq!(side.copy_to_host_sync(&x.view()).expect("x"), vec![4.0f32; 8]);
+    // Dropping the stream that began a capture aborts it and releases its branches.
+    {
+        let origin = dev.create_stream().expect("origin");
+        origin.begin_capture("dropped").expect("begin");
+        origin.fork_capture(&side).expect("fork");
+        touch(&side, &x).expect("recorded");
+    }
+    assert!(!side.is_capturing() && !dev.is_capturing(), "the drop aborted the capture");
+    touch(&side, &x).expect("eager again");
+    assert_eq!(side.copy_to_host_sync(&x.view()).expect("x"), vec![5.0f32; 8], "the aborted touch never ran");
 }
 
 /// Back-to-back dependent launches touching one buffer, eagerly and from a graph: every touch

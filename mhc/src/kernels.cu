@@ -294,16 +294,12 @@ __device__ __forceinline__ MhcItem mhc_item(uint32_t p, uint32_t S, uint32_t F, 
     return it;
 }
 
-// A block's ticket. A grid of at most half the SM identifiers (%nsmid, at least the SM count) is
-// resident all at once on NVIDIA devices (every kernel here fits at least one block per SM), so no
-// block can wait on one that never starts: the block index serves and the claim's round trip to
-// L2 is saved (decode-size launches). Larger grids, and HIP, claim from the counter.
-__device__ __forceinline__ uint32_t mhc_claim(uint32_t* sync) {
-#if defined(HF_CUDA)
-    uint32_t nsm;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-    if (2u * gridDim.x <= nsm) return blockIdx.x;
-#endif
+// A block's ticket. When the host says the whole grid is resident at once (`resident`: at most
+// half the device's multiprocessors, each of which holds a block of any kernel here), no block can
+// wait on one that never starts, so the block index serves and the claim's round trip to L2 is
+// saved (decode-size launches); otherwise tickets come from the counter in launch order of claim.
+__device__ __forceinline__ uint32_t mhc_claim(uint32_t* sync, uint32_t resident) {
+    if (resident != 0u) return blockIdx.x;
     __shared__ uint32_t s_ticket;
     if (threadIdx.x == 0) {
         const uint32_t t = atomicAdd(&sync[0], 1u);
@@ -315,8 +311,7 @@ __device__ __forceinline__ uint32_t mhc_claim(uint32_t* sync) {
 }
 
 __device__ __forceinline__ void mhc_arrive(uint32_t* sync, uint32_t tile) {
-    __syncthreads();
-    if (threadIdx.x == 0) hf_release_add_u32(&sync[1 + 2 * tile]);
+    hf_block_release_add_u32(&sync[1 + 2 * tile]);
 }
 
 __device__ __forceinline__ void mhc_wait(uint32_t* sync, uint32_t tile, uint32_t S) {
@@ -725,7 +720,7 @@ struct MhcPreArgs {
     hf_bf16* layer_input;     // [T, H]
     float* partials;
     uint32_t* sync;
-    uint32_t T, H, iters, tile_tokens, finish_tokens;
+    uint32_t T, H, iters, tile_tokens, finish_tokens, resident;
     float rms_eps, pre_eps, sinkhorn_eps, post_mult;
 };
 
@@ -933,11 +928,8 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, bool vec, uint32_t ticket
         const uint32_t u = threadIdx.x / MHC_N, i = threadIdx.x % MHC_N;
         a.partials[(uint64_t)(g0 + u) * S * V + 1 + i] = s_g[u][i];
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        hf_release_add_u32(&a.sync[2 + 2 * q]);
-        hf_acquire_until_u32(a.sync + 2 + 2 * q, S);
-    }
+    hf_block_release_add_u32(&a.sync[2 + 2 * q]);
+    if (threadIdx.x == 0) hf_acquire_until_u32(a.sync + 2 + 2 * q, S);
     __syncthreads();
 
     // (2) the tile's gates, then this item's 256 h of every output from the resident pieces.
@@ -1030,14 +1022,14 @@ __device__ __forceinline__ void mhc_pre_entry(const MhcPreArgs& a) {
     constexpr int J = MHC_N * (MHC_N + 2);
     if (a.finish_tokens == 0) {
         if (!mhc_resident_launch_ok<J, FUSED>(a.T, S, a.tile_tokens)) return;
-        mhc_resident_item<J, FUSED>(a, vec, mhc_claim(a.sync));
+        mhc_resident_item<J, FUSED>(a, vec, mhc_claim(a.sync, a.resident));
         return;
     }
 #endif
     if (a.finish_tokens == 0 || a.finish_tokens > MHC_FINISH_MAX) return;
     const uint32_t F = (a.tile_tokens + a.finish_tokens - 1) / a.finish_tokens;
     if (gridDim.x != Q * (S + F)) return;
-    const uint32_t ticket = mhc_claim(a.sync);
+    const uint32_t ticket = mhc_claim(a.sync, a.resident);
     if (vec)
         mhc_pre_body<true, FUSED>(a, ticket);
     else
@@ -1047,7 +1039,8 @@ __device__ __forceinline__ void mhc_pre_entry(const MhcPreArgs& a) {
 // out [T, H] = sum_i g_i residual[t, i, :], g = sigmoid(rms(x) (x . fn^T) scale + base) + hc_eps.
 HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
     const hf_bf16* residual, const float* fn, const float* scale, const float* base, hf_bf16* out, float* partials,
-    uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens) {
+    uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens,
+    uint32_t resident) {
     const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
     if (T == 0 || tile_tokens == 0) return;  // host bug: never hang
     const uint32_t Q = (T + tile_tokens - 1) / tile_tokens;
@@ -1058,15 +1051,15 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
         MhcPreArgs a = {};
         a.residual = residual; a.fn = fn; a.scale = scale; a.base = base; a.layer_input = out;
         a.partials = partials; a.sync = sync; a.T = T; a.H = H; a.tile_tokens = tile_tokens;
-        a.rms_eps = rms_eps; a.pre_eps = hc_eps;
-        mhc_resident_item<MHC_N, false>(a, vec, mhc_claim(sync));
+        a.resident = resident; a.rms_eps = rms_eps; a.pre_eps = hc_eps;
+        mhc_resident_item<MHC_N, false>(a, vec, mhc_claim(sync, resident));
         return;
     }
 #endif
     if (finish_tokens == 0 || finish_tokens > MHC_FINISH_MAX) return;
     const uint32_t F = (tile_tokens + finish_tokens - 1) / finish_tokens;
     if (gridDim.x != Q * (S + F)) return;
-    const uint32_t ticket = mhc_claim(sync);
+    const uint32_t ticket = mhc_claim(sync, resident);
     if (vec)
         mhc_head_body<true>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
                             finish_tokens, ticket);
@@ -1079,12 +1072,14 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
 HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_PRE) mhc_pre_n4(
     const hf_bf16* residual, const float* fn, const float* scale, const float* base, float* post_out, float* comb_out,
     hf_bf16* layer_input, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float pre_eps,
-    float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens) {
+    float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens,
+    uint32_t resident) {
     MhcPreArgs a;
     a.x_in = nullptr; a.residual = residual; a.post_in = nullptr; a.comb_in = nullptr;
     a.fn = fn; a.scale = scale; a.base = base; a.residual_out = nullptr;
     a.post_out = post_out; a.comb_out = comb_out; a.layer_input = layer_input; a.partials = partials; a.sync = sync;
     a.T = T; a.H = H; a.iters = iters; a.tile_tokens = tile_tokens; a.finish_tokens = finish_tokens;
+    a.resident = resident;
     a.rms_eps = rms_eps; a.pre_eps = pre_eps; a.sinkhorn_eps = sinkhorn_eps; a.post_mult = post_mult;
     mhc_pre_entry<false>(a);
 }
@@ -1095,12 +1090,14 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_FUSED) mhc_fused_post_p
     const hf_bf16* x_in, const hf_bf16* residual, const float* post_in, const float* comb_in, const float* fn,
     const float* scale, const float* base, hf_bf16* residual_out, float* post_out, float* comb_out,
     hf_bf16* layer_input, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float pre_eps,
-    float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens) {
+    float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens,
+    uint32_t resident) {
     MhcPreArgs a;
     a.x_in = x_in; a.residual = residual; a.post_in = post_in; a.comb_in = comb_in;
     a.fn = fn; a.scale = scale; a.base = base; a.residual_out = residual_out;
     a.post_out = post_out; a.comb_out = comb_out; a.layer_input = layer_input; a.partials = partials; a.sync = sync;
     a.T = T; a.H = H; a.iters = iters; a.tile_tokens = tile_tokens; a.finish_tokens = finish_tokens;
+    a.resident = resident;
     a.rms_eps = rms_eps; a.pre_eps = pre_eps; a.sinkhorn_eps = sinkhorn_eps; a.post_mult = post_mult;
     mhc_pre_entry<true>(a);
 }

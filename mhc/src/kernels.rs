@@ -182,10 +182,10 @@ fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 ///
 /// Entry points (shapes with `n = 4`, `S = ceil(H / 256)`):
 /// - `mhc_hc_head_n4(residual [T,n,H] bf16, fn [n, nH] f32, scale [1], base [n], out [T,H] bf16,
-///   partials [T,S,n+1] f32, sync u32, T, H, rms_eps, hc_eps, tile_tokens, finish_tokens)`
+///   partials [T,S,n+1] f32, sync u32, T, H, rms_eps, hc_eps, tile_tokens, finish_tokens, resident)`
 /// - `mhc_pre_n4(residual, fn [m, nH], scale [3], base [m], post [T,n], comb [T,n,n],
 ///   layer_input [T,H] bf16, partials [T,S,m+1], sync, T, H, rms_eps, pre_eps, sinkhorn_eps,
-///   post_mult, sinkhorn_iters, tile_tokens, finish_tokens)` with `m = n(n+2)`
+///   post_mult, sinkhorn_iters, tile_tokens, finish_tokens, resident)` with `m = n(n+2)`
 /// - `mhc_fused_post_pre_n4(x [T,H], residual, post_in, comb_in, fn, scale, base, residual_out,
 ///   post, comb, layer_input, partials, sync, T, H, …as mhc_pre)`
 /// - `mhc_post_n4(x [T,H], residual [T,n,H], post [T,n], comb [T,n,n], out [T,n,H], T, H,
@@ -194,7 +194,8 @@ fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 /// `finish_tokens = 0` selects the resident tensor-core items (sm_80+ only; grid `tiles · S`,
 /// dynamic shared memory per `tile_tokens`); `1..=16` the portable projection and finish items
 /// (grid `tiles · (S + ceil(tile_tokens / finish_tokens))`). The CPU references accept only the
-/// latter, which is all the CPU backend is given.
+/// latter, which is all the CPU backend is given. `resident = 1` tells the kernel that the whole
+/// grid is resident at once (the plan's `resident_grid`), so blocks take their index as ticket.
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -211,6 +212,7 @@ pub fn source() -> &'static KernelSource {
                 u("iters"),
                 u("tile_tokens"),
                 u("finish_tokens"),
+                u("resident"),
             ]
         };
         let workspace = || vec![Param::inout::<f32>("partials"), Param::inout::<u32>("sync")];
@@ -222,7 +224,7 @@ pub fn source() -> &'static KernelSource {
             Param::output::<bf16>("out"),
         ];
         head.extend(workspace());
-        head.extend([u("T"), u("H"), f("rms_eps"), f("hc_eps"), u("tile_tokens"), u("finish_tokens")]);
+        head.extend([u("T"), u("H"), f("rms_eps"), f("hc_eps"), u("tile_tokens"), u("finish_tokens"), u("resident")]);
         let mut pre = vec![
             Param::input::<bf16>("residual"),
             Param::input::<f32>("fn"),

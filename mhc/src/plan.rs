@@ -101,6 +101,14 @@ pub(crate) struct ReducePlan {
     pub tiles: usize,
     /// The launch.
     pub config: LaunchConfig,
+    /// The grid is at most half the multiprocessors (every kernel here fits at least one block
+    /// on each), so all of it is resident at once and blocks may take their index as ticket.
+    pub resident_grid: bool,
+}
+
+/// Whether a grid of `blocks` is small enough to be resident all at once with room to spare.
+fn resident_grid(blocks: usize, units: usize) -> bool {
+    2 * blocks <= units
 }
 
 /// How the projection items run.
@@ -139,7 +147,8 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         let tiles = tokens.div_ceil(tile);
         let mut config = LaunchConfig::blocks(u32::try_from(tiles * s).unwrap_or(u32::MAX), THREADS);
         config.shared_mem_bytes = resident_shared_bytes(kind, tile);
-        return ReducePlan { tile_tokens: tile, finish_tokens: 0, tiles, config };
+        let resident_grid = resident_grid(tiles * s, units);
+        return ReducePlan { tile_tokens: tile, finish_tokens: 0, tiles, config, resident_grid };
     }
     let pass = WARPS * kind.tokens_per_slot();
     let tiles_wanted = (2 * units).div_ceil(s).max(1);
@@ -163,6 +172,7 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         finish_tokens: finish,
         tiles,
         config: LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS),
+        resident_grid: resident_grid(blocks, units),
     }
 }
 
@@ -206,6 +216,7 @@ mod tests {
                             ReduceShape { mma, head_mma: mma, tile_tokens: forced },
                         );
                         let s = splits(hidden);
+                        assert_eq!(p.resident_grid, 2 * p.config.grid.0 as usize <= units);
                         assert!(p.tile_tokens >= 1 && p.tile_tokens <= TILE_MAX);
                         assert!(p.tiles * p.tile_tokens >= tokens && (p.tiles - 1) * p.tile_tokens < tokens);
                         assert_eq!(p.config.block, (THREADS, 1, 1));
