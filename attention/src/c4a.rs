@@ -111,7 +111,10 @@ impl C4aBuilder {
 
     /// Enqueues the step's c4a decode build on `s` from `topk_indices` (`[≥ num_decode_tokens,
     /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 1 launch (the
-    /// lengths, then scan + pack, in two phases of one grid), no host sync.
+    /// lengths, then scan + pack, in two phases of one grid), no host sync. The two phases meet at
+    /// a counter of this builder's, so one build per builder may be in flight at a time (enqueue
+    /// builds of one builder on one stream, or on one branch of a graph); the grid is at most four
+    /// blocks per multiprocessor, all resident at once.
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata, topk_indices: &View<i32>) -> Result<C4aMetadata> {
         let c = common.config();
         if c.max_num_batched_tokens > self.max_tokens {
