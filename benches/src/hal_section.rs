@@ -42,11 +42,8 @@ fn launch_dependent(ctx: &Ctx, touch: &Kernel, x: &Buffer<f32>) -> Result<()> {
     Ok(())
 }
 
-fn capture(ctx: &Ctx, touch: &Kernel, x: &Buffer<f32>, k: usize) -> Result<Graph> {
-    capture_with(ctx, touch, x, k, launch)
-}
-
-fn capture_with(
+/// A graph of `k` launches of `touch` on `x`, each made by `one`.
+fn capture(
     ctx: &Ctx,
     touch: &Kernel,
     x: &Buffer<f32>,
@@ -136,7 +133,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     }
 
     for kk in [20usize, k] {
-        let g = capture(ctx, &touch, &tiny, kk)?;
+        let g = capture(ctx, &touch, &tiny, kk, launch)?;
         let host = ctx.clock.host(s, n_samples, &mut || Ok(g.replay(s)?))?;
         rows.push(
             Row::timed(SECTION, format!("graph launch, host ({kk} kernels)"), host.median_us, host.samples)
@@ -151,7 +148,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
             );
             // The same step with each launch allowed to begin before the previous ends.
             let touch_dep = m.kernel("hf_touch_dependent")?;
-            let gd = capture_with(ctx, &touch_dep, &tiny, kk, launch_dependent)?;
+            let gd = capture(ctx, &touch_dep, &tiny, kk, launch_dependent)?;
             let dd = ctx.clock.eager(s, &mut || Ok(gd.replay(s)?))?;
             let per_dep = dd.median_us / kk as f64;
             rows.push(

@@ -12,7 +12,7 @@
 //! joining stream records next; it records nothing more unless forked again). The capture ends
 //! only on the stream that began it, once no branch is left unjoined; its branches are then idle.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 
 use crate::backend::{EventImpl, StreamImpl};
@@ -50,11 +50,11 @@ pub(crate) struct CaptureLog {
     /// Communicators whose collectives were captured (a graph must not outlive them).
     pub(crate) comms: Vec<Arc<CommShared>>,
     pub(crate) ops: usize,
-    /// Forked streams not yet joined back: their id and backend stream.
-    pub(crate) unjoined: BTreeMap<u64, Arc<StreamImpl>>,
-    /// Every stream forked into the capture, kept alive until it closes (a CUDA stream stays part
-    /// of the capture after its join, so it must not be destroyed before the end).
-    pub(crate) branches: Vec<Arc<StreamImpl>>,
+    /// Every stream forked into the capture, by id, kept alive until it closes (a CUDA stream
+    /// stays part of the capture after its join, so it must not be destroyed before the end).
+    pub(crate) branches: BTreeMap<u64, Arc<StreamImpl>>,
+    /// The ids of the forked streams not yet joined back.
+    pub(crate) unjoined: BTreeSet<u64>,
     /// The fork / join events, kept until the capture ends.
     pub(crate) edges: Vec<EventImpl>,
     /// Set when the capture ended or was aborted: its branches are idle again.

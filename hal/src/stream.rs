@@ -328,8 +328,9 @@ impl Stream {
         let mut result = Ok(());
         {
             let mut l = lock(log);
-            let branches: Vec<Arc<StreamImpl>> = std::mem::take(&mut l.unjoined).into_values().collect();
-            for b in branches {
+            let unjoined: Vec<Arc<StreamImpl>> =
+                std::mem::take(&mut l.unjoined).iter().filter_map(|id| l.branches.get(id).cloned()).collect();
+            for b in unjoined {
                 let joined = self.device.inner.create_event().and_then(|e| {
                     self.inner.join_capture(&b, &e)?;
                     l.edges.push(e);
@@ -375,8 +376,8 @@ impl Stream {
             }
             let edge = self.device.inner.create_event()?;
             self.inner.fork_capture(&branch.inner, &edge)?;
-            l.unjoined.insert(branch.id, branch.inner.clone());
-            l.branches.push(branch.inner.clone());
+            l.unjoined.insert(branch.id);
+            l.branches.insert(branch.id, branch.inner.clone());
             l.edges.push(edge);
         }
         *b = CaptureState::Branch(log);

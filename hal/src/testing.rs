@@ -53,9 +53,7 @@ pub fn no_setup(_dev: &crate::Device) {}
 /// this is a test helper.
 #[cfg(feature = "cuda")]
 pub fn assert_compiles_for_sm_90(src: &crate::KernelSource) -> Option<usize> {
-    if let Some(reason) = crate::cuda::nvrtc_unavailable_reason() {
-        assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here: {reason}");
-        eprintln!("skipped: NVRTC is not available ({reason})");
+    if compiler_missing("NVRTC", "HOLDFAST_REQUIRE_NVRTC", crate::cuda::nvrtc_unavailable_reason()) {
         return None;
     }
     let (cubin, ptx) = crate::cuda::compile(src, "sm_90", 32).unwrap_or_else(|e| panic!("{e}"));
@@ -73,12 +71,20 @@ pub fn assert_compiles_for_sm_90(src: &crate::KernelSource) -> Option<usize> {
 /// (as in CI), where a missing hipRTC fails. Panics on failure: this is a test helper.
 #[cfg(feature = "rocm")]
 pub fn assert_compiles_for_gfx90a(src: &crate::KernelSource) -> Option<usize> {
-    if let Some(reason) = crate::rocm::unavailable_reason() {
-        assert!(std::env::var_os("HOLDFAST_REQUIRE_HIPRTC").is_none(), "hipRTC is required here: {reason}");
-        eprintln!("skipped: hipRTC is not available ({reason})");
+    if compiler_missing("hipRTC", "HOLDFAST_REQUIRE_HIPRTC", crate::rocm::unavailable_reason()) {
         return None;
     }
     let code = crate::rocm::compile(src, "gfx90a", 64).unwrap_or_else(|e| panic!("{e}"));
     assert!(!code.is_empty(), "`{}`: hipRTC produced no code object", src.name);
     Some(code.len())
+}
+
+/// True (after printing a `skipped:` line) when the run-time compiler is absent for `reason`;
+/// panics instead when the environment variable `require` is set.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
+fn compiler_missing(compiler: &str, require: &str, reason: Option<impl std::fmt::Display>) -> bool {
+    let Some(reason) = reason else { return false };
+    assert!(std::env::var_os(require).is_none(), "{compiler} is required here: {reason}");
+    eprintln!("skipped: {compiler} is not available ({reason})");
+    true
 }
