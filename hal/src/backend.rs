@@ -66,6 +66,9 @@ pub(crate) trait DeviceOps {
     /// Synchronous host→device write (used by uploads at setup).
     fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()>;
     fn alloc_pinned(&self, bytes: usize) -> Result<PinnedImpl>;
+    /// Allocates `bytes` of zero-filled page-locked host memory mapped into the device's address
+    /// space (kernels and copies use its [`MemOps::addr`]; the host writes it in place).
+    fn alloc_mapped(&self, bytes: usize, label: &str) -> Result<MemImpl>;
     fn create_stream(&self) -> Result<StreamImpl>;
     fn create_event(&self) -> Result<EventImpl>;
     /// Compiles every entry of `src`, in order.
@@ -85,6 +88,11 @@ pub(crate) enum DeviceImpl {
 #[enum_dispatch]
 pub(crate) trait MemOps {
     fn addr(&self) -> u64;
+    /// Host-side write of `data` at byte `offset` of a mapped allocation (in range: the front end
+    /// checks); device memory refuses.
+    fn host_write(&self, offset: usize, data: &[u8]) -> Result<()>;
+    /// Host-side read into `out` from byte `offset` of a mapped allocation.
+    fn host_read(&self, offset: usize, out: &mut [u8]) -> Result<()>;
 }
 
 #[enum_dispatch(MemOps)]

@@ -10,7 +10,7 @@ use crate::backend::{DeviceImpl, DeviceOps, MemImpl};
 use crate::dtype::Element;
 use crate::error::{CaptureOp, HalError, Result};
 use crate::kernel::{Kernel, KernelSource, Module};
-use crate::memory::{Allocation, Buffer, MemStats, PinnedAlloc, PinnedBuffer};
+use crate::memory::{Allocation, Buffer, MappedBuffer, MemStats, PinnedAlloc, PinnedBuffer};
 use crate::stream::{Event, Stream};
 
 /// Which backend a device runs on.
@@ -337,6 +337,17 @@ impl Device {
         let inner = self.shared.inner.alloc_pinned(bytes)?;
         self.shared.stats.on_pinned_alloc(bytes);
         Ok(PinnedBuffer::from_alloc(Arc::new(PinnedAlloc { bytes, device: self.shared.clone(), inner }), len))
+    }
+
+    /// Allocates `len` elements of zero-filled page-locked host memory mapped into the device's
+    /// address space (a [`MappedBuffer`]: kernels read and write it in place, the host writes it
+    /// directly). Persistent: captured work may use it.
+    pub fn alloc_mapped<T: Element>(&self, label: &str, len: usize) -> Result<MappedBuffer<T>> {
+        let bytes = len
+            .checked_mul(T::DTYPE.size())
+            .ok_or_else(|| HalError::OutOfMemory { bytes: usize::MAX, label: label.to_string() })?;
+        let alloc = Allocation::new_mapped(self.shared.clone(), bytes, label)?;
+        Ok(MappedBuffer::from_alloc(alloc, len))
     }
 
     /// Creates an in-order stream (never the legacy default stream).

@@ -78,5 +78,5 @@ pub use kernel::{
     Access, Arg, CpuKernelFn, Kernel, KernelEntry, KernelSource, LaunchConfig, Module, Param, ParamKind, ScalarKind,
     PORTABILITY_HEADER,
 };
-pub use memory::{Buffer, MemStats, PinnedBuffer, RawView, View};
+pub use memory::{Buffer, MappedBuffer, MemStats, PinnedBuffer, RawView, View};
 pub use stream::{Event, Stream};

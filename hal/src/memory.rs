@@ -24,6 +24,8 @@ pub(crate) struct Allocation {
     pub(crate) bytes: usize,
     pub(crate) label: String,
     pub(crate) persistent: bool,
+    /// Page-locked host memory mapped into the device's address space ([`MappedBuffer`]).
+    pub(crate) mapped: bool,
     /// Opt-in sanitizer flag: the host must rewrite this buffer before every graph replay.
     pub(crate) host_refreshed: AtomicBool,
     /// Incremented by every host write (pageable, pinned or synchronous upload).
@@ -34,21 +36,45 @@ pub(crate) struct Allocation {
 
 impl Allocation {
     pub(crate) fn new(device: Arc<DeviceShared>, bytes: usize, label: &str, persistent: bool) -> Result<Arc<Self>> {
+        Self::create(device, bytes, label, persistent, false)
+    }
+
+    /// A mapped host allocation (always persistent: its address never changes).
+    pub(crate) fn new_mapped(device: Arc<DeviceShared>, bytes: usize, label: &str) -> Result<Arc<Self>> {
+        Self::create(device, bytes, label, true, true)
+    }
+
+    fn create(
+        device: Arc<DeviceShared>,
+        bytes: usize,
+        label: &str,
+        persistent: bool,
+        mapped: bool,
+    ) -> Result<Arc<Self>> {
         if device.capture_active() {
             return Err(HalError::IllegalDuringCapture {
                 op: CaptureOp::Allocate,
                 detail: format!("buffer `{label}`"),
             });
         }
-        let inner = crate::backend::DeviceOps::alloc(&device.inner, bytes, label)?;
+        let inner = if mapped {
+            crate::backend::DeviceOps::alloc_mapped(&device.inner, bytes, label)?
+        } else {
+            crate::backend::DeviceOps::alloc(&device.inner, bytes, label)?
+        };
         let addr = inner.addr();
-        device.stats.on_alloc(bytes);
+        if mapped {
+            device.stats.on_pinned_alloc(bytes);
+        } else {
+            device.stats.on_alloc(bytes);
+        }
         Ok(Arc::new(Allocation {
             id: device.next_id(),
             addr,
             bytes,
             label: label.to_string(),
             persistent,
+            mapped,
             host_refreshed: AtomicBool::new(false),
             host_gen: AtomicU64::new(0),
             device,
@@ -63,7 +89,11 @@ impl Allocation {
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.device.stats.on_free(self.bytes);
+        if self.mapped {
+            self.device.stats.on_pinned_free(self.bytes);
+        } else {
+            self.device.stats.on_free(self.bytes);
+        }
         if let Some(inner) = self.inner.take() {
             self.device.release(inner);
         }
@@ -353,6 +383,76 @@ impl<T: Element> PinnedBuffer<T> {
 impl<T: Element> fmt::Debug for PinnedBuffer<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "PinnedBuffer<{}>({} elements)", T::DTYPE, self.len)
+    }
+}
+
+/// Page-locked host memory that kernels and copies use in place ("zero-copy"): mapped into the
+/// device's address space at a fixed address, so its [`View`]s are ordinary kernel arguments and
+/// copy operands, captured like any persistent buffer; the host writes and reads it directly.
+///
+/// A kernel reads it over the host link at the time the kernel runs (in a graph: at every
+/// replay), which saves the copy engine's round trip for small per-step inputs read once. As with
+/// [`PinnedBuffer`], the host must not rewrite a range that enqueued work has yet to read (wait on
+/// an event first). A host write counts as a refresh for the sanitizer
+/// ([`Buffer::set_host_refreshed`]). The counters list it as pinned memory.
+pub struct MappedBuffer<T: Element> {
+    buf: Buffer<T>,
+}
+
+impl<T: Element> MappedBuffer<T> {
+    pub(crate) fn from_alloc(alloc: Arc<Allocation>, len: usize) -> Self {
+        MappedBuffer { buf: Buffer::from_alloc(alloc, len) }
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.buf.len()
+    }
+    /// True if it holds no elements.
+    pub fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+    /// The label given at allocation.
+    pub fn label(&self) -> &str {
+        self.buf.label()
+    }
+    /// The device face: the whole buffer as a view (for kernel arguments and copies).
+    pub fn view(&self) -> View<T> {
+        self.buf.view()
+    }
+    /// The device face as a buffer handle (for [`Buffer::set_host_refreshed`] and slicing).
+    pub fn buffer(&self) -> &Buffer<T> {
+        &self.buf
+    }
+    /// Writes `data` at element `offset` (a host-side memcpy; no stream involved).
+    pub fn write(&self, offset: usize, data: &[T]) -> Result<()> {
+        let size = T::DTYPE.size();
+        self.check(offset, data.len())?;
+        self.inner()?.host_write(offset * size, bytemuck::cast_slice(data))?;
+        self.buf.alloc.bump_host_gen();
+        Ok(())
+    }
+    /// Reads `len` elements from element `offset` (a host-side memcpy; the caller ensures no
+    /// enqueued work still writes the range).
+    pub fn read(&self, offset: usize, len: usize) -> Result<Vec<T>> {
+        self.check(offset, len)?;
+        let mut out = vec![T::default(); len];
+        self.inner()?.host_read(offset * T::DTYPE.size(), bytemuck::cast_slice_mut(&mut out))?;
+        Ok(out)
+    }
+    fn inner(&self) -> Result<&MemImpl> {
+        self.buf.alloc.inner.as_ref().ok_or_else(|| HalError::Unsupported("mapped buffer already released".into()))
+    }
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(HalError::InvalidView { buffer: self.label().to_string(), offset, len, capacity: self.len() }),
+        }
+    }
+}
+
+impl<T: Element> fmt::Debug for MappedBuffer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MappedBuffer<{}>(`{}`, {} elements)", T::DTYPE, self.label(), self.len())
     }
 }
 

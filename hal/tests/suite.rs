@@ -485,6 +485,52 @@ fn dependent_launches_keep_their_order(dev: &Device) {
     assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![(2 * k) as f32; n]);
 }
 
+fn mapped_host_memory_is_used_in_place(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let n = 300;
+    let pinned_before = dev.stats().pinned_bytes;
+    let m = dev.alloc_mapped::<f32>("step.staging", n).expect("mapped");
+    assert_eq!(dev.stats().pinned_bytes, pinned_before + 4 * n as u64, "counted as pinned memory");
+    assert_eq!(m.read(0, n).expect("read"), vec![0.0; n], "zero-filled");
+    let out = dev.alloc_persistent::<f32>("out", n).expect("out");
+    // A kernel reads the host's writes in place, eagerly and in every replay of a graph.
+    s.launch(&kernel(dev, "hf_scale"), cfg(n), &[(&m.view()).into(), (&out).into(), 2.0f32.into(), (n as u32).into()])
+        .expect("eager read");
+    assert_eq!(s.copy_to_host_sync(&out.view()).expect("read"), vec![0.0; n]);
+    m.buffer().set_host_refreshed(true);
+    s.begin_capture("mapped").expect("begin");
+    s.launch(&kernel(dev, "hf_scale"), cfg(n), &[(&m.view()).into(), (&out).into(), 2.0f32.into(), (n as u32).into()])
+        .expect("captured read");
+    let g = s.end_capture().expect("end");
+    for step in 0..5 {
+        let xs = seq(n, step as f32 * 7.0 - 3.0);
+        m.write(0, &xs).expect("host write");
+        s.memset(&out.view(), 0xff).expect("poison");
+        g.replay(&s).expect("a host write refreshes the mapped input");
+        let want: Vec<f32> = xs.iter().map(|x| 2.0 * x).collect();
+        assert_eq!(s.copy_to_host_sync(&out.view()).expect("read"), want, "step {step}");
+    }
+    assert!(matches!(g.replay(&s), Err(HalError::StaleHostInput { .. })), "no write since the last replay");
+    // Kernels and copies write it too; the host reads the result after a sync.
+    s.launch(&kernel(dev, "hf_touch"), cfg(n), &[(&m.view()).into(), (n as u32).into()]).expect("device write");
+    s.copy(&out.slice(0, 1).expect("one"), &m.buffer().slice(0, 1).expect("one")).expect("copy into mapped");
+    s.synchronize().expect("sync");
+    let got = m.read(0, n).expect("read");
+    let last = seq(n, 4.0 * 7.0 - 3.0);
+    assert_eq!(got[0], 2.0 * last[0], "copied element");
+    assert_eq!(&got[1..], &last[1..].iter().map(|x| x + 1.0).collect::<Vec<_>>()[..], "touched elements");
+    // Out-of-range host accesses are precise errors and change nothing.
+    assert!(matches!(m.write(n - 1, &[1.0, 2.0]), Err(HalError::InvalidView { .. })));
+    assert!(matches!(m.read(n, 1), Err(HalError::InvalidView { .. })));
+    assert_eq!(m.read(0, n).expect("read"), got);
+    // No allocation while capturing.
+    s.begin_capture("alloc").expect("begin");
+    assert!(matches!(dev.alloc_mapped::<f32>("late", 4), Err(HalError::IllegalDuringCapture { .. })));
+    s.abort_capture().expect("abort");
+    drop((g, m));
+    assert_eq!(dev.stats().pinned_bytes, pinned_before, "freed with its last handle");
+}
+
 holdfast_hal::device_suite!(
     setup = super::module_for_setup;     eager_kernels_match_their_host_definition,
     memset_copy_and_views_keep_addresses,
@@ -503,4 +549,5 @@ holdfast_hal::device_suite!(
     a_forked_capture_replays_both_branches_in_order,
     fork_and_join_misuse_is_a_precise_error_that_changes_nothing,
     dependent_launches_keep_their_order,
+    mapped_host_memory_is_used_in_place,
 );

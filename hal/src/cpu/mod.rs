@@ -149,6 +149,12 @@ impl DeviceOps for CpuDevice {
         Ok(PinnedImpl::Cpu(CpuPinned(Arc::new(Mutex::new(vec![0u64; bytes.div_ceil(8)].into_boxed_slice())))))
     }
 
+    fn alloc_mapped(&self, bytes: usize, label: &str) -> Result<MemImpl> {
+        let mem = self.alloc(bytes, label)?;
+        mem.host_write(0, &vec![0u8; bytes])?;
+        Ok(mem)
+    }
+
     fn create_stream(&self) -> Result<StreamImpl> {
         Ok(StreamImpl::Cpu(CpuStream { core: self.core.clone(), recording: Mutex::new(None) }))
     }
@@ -179,6 +185,23 @@ pub(crate) struct CpuMem {
 impl MemOps for CpuMem {
     fn addr(&self) -> u64 {
         self.base
+    }
+    // Every allocation of the emulator is host memory; only mapped ones are reached from here.
+    fn host_write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        let at = self.base + offset as u64;
+        let (a, off) =
+            self.core.resolve(at, data.len()).map_err(|why| bad_addr("host write", "dst", at, data.len(), why))?;
+        let mut d = lock(&a.data);
+        bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+    fn host_read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let at = self.base + offset as u64;
+        let (a, off) =
+            self.core.resolve(at, out.len()).map_err(|why| bad_addr("host read", "src", at, out.len(), why))?;
+        let d = lock(&a.data);
+        out.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&d)[off..off + out.len()]);
+        Ok(())
     }
 }
 

@@ -131,7 +131,28 @@ impl DeviceOps for CudaDevice {
             HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
             other => other,
         })?;
-        Ok(MemImpl::Cuda(CudaMem { ctx: self.ctx.clone(), ptr }))
+        Ok(MemImpl::Cuda(CudaMem { ctx: self.ctx.clone(), ptr, mapped: None }))
+    }
+
+    fn alloc_mapped(&self, bytes: usize, label: &str) -> Result<MemImpl> {
+        self.bind()?;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: page-locked allocation mapped into the device's address space; owned by the
+        // returned handle (freed with cuMemFreeHost).
+        let host = unsafe { result::malloc_host(bytes.max(8), flags) }.map_err(|e| match drv("cuMemHostAlloc")(e) {
+            HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
+            other => other,
+        })?;
+        let mapped = MappedHost { ptr: host.cast(), bytes };
+        // SAFETY: fresh allocation of at least `bytes` bytes.
+        unsafe { std::ptr::write_bytes(mapped.ptr, 0, bytes) };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP; out-parameter. On failure
+        // `mapped` is dropped with the handle below, which frees it.
+        let got = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut ptr, host, 0) }.result();
+        let mem = CudaMem { ctx: self.ctx.clone(), ptr, mapped: Some(mapped) };
+        got.map_err(drv("cuMemHostGetDevicePointer"))?;
+        Ok(MemImpl::Cuda(mem))
     }
 
     fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()> {
@@ -262,19 +283,68 @@ impl std::fmt::Debug for CudaKernel {
 pub(crate) struct CudaMem {
     ctx: Arc<CudaContext>,
     ptr: sys::CUdeviceptr,
+    /// The host side of a mapped allocation (`ptr` is then its device address).
+    mapped: Option<MappedHost>,
+}
+
+/// Page-locked host memory mapped into the device's address space.
+struct MappedHost {
+    ptr: *mut u8,
+    bytes: usize,
+}
+// SAFETY: page-locked host memory is plain memory; host accesses go through `host_write` /
+// `host_read`, bounds checked by the front end.
+unsafe impl Send for MappedHost {}
+// SAFETY: as above.
+unsafe impl Sync for MappedHost {}
+
+impl CudaMem {
+    fn host(&self, offset: usize, len: usize) -> Result<*mut u8> {
+        match &self.mapped {
+            Some(m) if offset.checked_add(len).is_some_and(|end| end <= m.bytes) => {
+                // SAFETY: in range (checked).
+                Ok(unsafe { m.ptr.add(offset) })
+            }
+            Some(m) => {
+                Err(HalError::InvalidView { buffer: "mapped host memory".into(), offset, len, capacity: m.bytes })
+            }
+            None => Err(HalError::Unsupported("host access to device memory".into())),
+        }
+    }
 }
 
 impl MemOps for CudaMem {
     fn addr(&self) -> u64 {
         self.ptr
     }
+    fn host_write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        let at = self.host(offset, data.len())?;
+        // SAFETY: in range; `data` is ordinary host memory, not overlapping.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len()) };
+        Ok(())
+    }
+    fn host_read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let at = self.host(offset, out.len())?;
+        // SAFETY: in range.
+        unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
 }
 
 impl Drop for CudaMem {
     fn drop(&mut self) {
         if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: allocated by `cuMemAlloc`, freed once; graphs that use it hold it alive.
-            let _ = unsafe { result::free_sync(self.ptr) };
+            match self.mapped.take() {
+                Some(m) => {
+                    // SAFETY: allocated by `cuMemHostAlloc`, freed once; graphs that use it hold
+                    // it alive.
+                    let _ = unsafe { result::free_host(m.ptr.cast()) };
+                }
+                None => {
+                    // SAFETY: allocated by `cuMemAlloc`, freed once; graphs that use it hold it alive.
+                    let _ = unsafe { result::free_sync(self.ptr) };
+                }
+            }
         }
     }
 }

@@ -130,7 +130,30 @@ impl DeviceOps for RocmDevice {
             HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
             other => other,
         })?;
-        Ok(MemImpl::Rocm(RocmMem { dev: self.dev, ptr: DevPtr(ptr) }))
+        Ok(MemImpl::Rocm(RocmMem { dev: self.dev, ptr: DevPtr(ptr), mapped: None }))
+    }
+
+    fn alloc_mapped(&self, bytes: usize, label: &str) -> Result<MemImpl> {
+        self.dev.bind()?;
+        let mut host: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-parameter; page-locked and mapped, owned by the returned handle.
+        check("hipHostMalloc", unsafe {
+            hip::hipHostMalloc(&mut host, bytes.max(8), hip::hipHostMallocMapped | hip::hipHostMallocPortable)
+        })
+        .map_err(|e| match e {
+            HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
+            other => other,
+        })?;
+        let mapped = PinnedHost { ptr: host.cast(), bytes };
+        // SAFETY: fresh allocation of at least `bytes` bytes.
+        unsafe { std::ptr::write_bytes(mapped.ptr, 0, bytes) };
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `host` came from hipHostMalloc with the mapped flag; out-parameter. On failure
+        // `mapped` is dropped with the handle below, which frees it.
+        let got = check("hipHostGetDevicePointer", unsafe { hip::hipHostGetDevicePointer(&mut ptr, host, 0) });
+        let mem = RocmMem { dev: self.dev, ptr: DevPtr(ptr), mapped: Some(mapped) };
+        got?;
+        Ok(MemImpl::Rocm(mem))
     }
 
     fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()> {
@@ -244,15 +267,45 @@ unsafe impl Sync for DevPtr {}
 pub(crate) struct RocmMem {
     dev: Ordinal,
     ptr: DevPtr,
+    /// The host side of a mapped allocation (`ptr` is then its device address); freed by its
+    /// own drop.
+    mapped: Option<PinnedHost>,
+}
+impl RocmMem {
+    fn host(&self, offset: usize, len: usize) -> Result<*mut u8> {
+        match &self.mapped {
+            Some(m) if offset.checked_add(len).is_some_and(|end| end <= m.bytes) => {
+                // SAFETY: in range (checked).
+                Ok(unsafe { m.ptr.add(offset) })
+            }
+            Some(m) => {
+                Err(HalError::InvalidView { buffer: "mapped host memory".into(), offset, len, capacity: m.bytes })
+            }
+            None => Err(HalError::Unsupported("host access to device memory".into())),
+        }
+    }
 }
 impl MemOps for RocmMem {
     fn addr(&self) -> u64 {
         self.ptr.0 as u64
     }
+    fn host_write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        let at = self.host(offset, data.len())?;
+        // SAFETY: in range; no overlap with host slices.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len()) };
+        Ok(())
+    }
+    fn host_read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let at = self.host(offset, out.len())?;
+        // SAFETY: in range.
+        unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
 }
 impl Drop for RocmMem {
     fn drop(&mut self) {
-        if self.dev.bind().is_ok() {
+        // A mapped allocation is freed by its `PinnedHost`.
+        if self.mapped.is_none() && self.dev.bind().is_ok() {
             // SAFETY: allocated by hipMalloc, freed once; graphs that use it hold it alive.
             unsafe { hip::hipFree(self.ptr.0) };
         }
