@@ -1,13 +1,13 @@
-//! Per-step common attention metadata: validated on the host, padded, staged in pinned memory and
-//! uploaded into persistent device buffers (spec §3.4); and the persistent device block tables,
+//! Per-step common attention metadata: validated on the host, padded, staged in mapped host memory
+//! and uploaded into persistent device buffers (spec §3.4); and the persistent device block tables,
 //! indexed by a stable table row per request and written only where a step changes them.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use holdfast_hal::{Buffer, Device, LaunchConfig, PinnedBuffer, Stream, View};
+use holdfast_hal::{Buffer, Device, LaunchConfig, MappedBuffer, Stream, View};
 
 use crate::error::{invalid, AttentionError, Result};
-use crate::source::{AttnKernels, SCATTER_THREADS};
+use crate::source::{AttnKernels, UPLOAD_THREADS};
 
 /// Shape of one paged block table (one KV-cache group).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -346,7 +346,7 @@ impl TableRows {
 }
 
 /// Persistent device copies of a step's common metadata, the persistent block tables, and the
-/// pinned staging they are uploaded from.
+/// mapped host staging they are uploaded from.
 ///
 /// **Block tables** live on the device for the lifetime of a request: each table is
 /// `[max_num_seqs + 1, max_blocks_per_seq]` block ids, row-major, indexed by a stable *table row*
@@ -357,8 +357,9 @@ impl TableRows {
 /// preempted its row is given back with [`CommonAttentionMetadata::release_table_row`].
 ///
 /// [`CommonAttentionMetadata::stage`] validates and pads on the host and writes the staging;
-/// [`CommonAttentionMetadata::upload`] enqueues the pinned→device copies and the block-table
-/// scatter on the step's stream (capturable: a graph re-reads the staging at every replay).
+/// [`CommonAttentionMetadata::upload`] enqueues one kernel that reads the staging in place and
+/// writes the fields and the block-table updates on the step's stream (capturable: a graph
+/// re-reads the staging at every replay).
 /// Views handed out are prefixes whose lengths depend only on the padded counts, or whole
 /// buffers. The host must not stage the next step while the previous upload may still be reading
 /// the staging (wait on an event first), and every staged step must be uploaded: the host's
@@ -366,9 +367,10 @@ impl TableRows {
 pub struct CommonAttentionMetadata {
     cfg: CommonConfig,
     device: Device,
-    /// Pinned staging of the packed per-step fields.
-    staging: PinnedBuffer<i32>,
-    /// Their device copy (`attn.common.step`), same layout.
+    /// Mapped host staging of the packed per-step fields and updates (`attn.common.staging`):
+    /// the upload kernel reads it in place.
+    staging: MappedBuffer<i32>,
+    /// The device copy of the fields (`attn.common.step`), same layout up to the updates.
     step: Buffer<i32>,
     /// `[max_num_seqs + 1, max_blocks_per_seq]` per table (SWA, KV).
     tables: [Buffer<i32>; 2],
@@ -389,15 +391,14 @@ impl std::fmt::Debug for CommonAttentionMetadata {
 
 impl CommonAttentionMetadata {
     /// Allocates the persistent device buffers (the block tables zeroed: every row reads the null
-    /// block) and pinned staging for `cfg`.
+    /// block) and mapped host staging for `cfg`.
     pub fn new(dev: &Device, cfg: CommonConfig) -> Result<Self> {
         cfg.validate()?;
         let (t, r) = (cfg.max_num_batched_tokens, cfg.max_num_seqs);
         let len = offsets(r, t)[UPD] + 1 + 2 * cfg.max_table_updates;
-        let staging = dev.alloc_pinned::<i32>(len)?;
-        // Zeroed: an upload before the first stage applies no update.
-        staging.write(0, &vec![0; len])?;
-        let step = dev.alloc_zeroed::<i32>("attn.common.step", len, true)?;
+        // Zero-filled: an upload before the first stage applies no update.
+        let staging = dev.alloc_mapped::<i32>("attn.common.staging", len)?;
+        let step = dev.alloc_zeroed::<i32>("attn.common.step", offsets(r, t)[UPD], true)?;
         let tables = [
             dev.alloc_zeroed::<i32>("attn.common.swa_block_table", cfg.table_cells(TableKind::Swa), true)?,
             dev.alloc_zeroed::<i32>("attn.common.kv_block_table", cfg.table_cells(TableKind::Kv), true)?,
@@ -467,7 +468,7 @@ impl CommonAttentionMetadata {
     }
 
     /// Validates `input`, pads it (padded requests: query length 0, seq len 0, the null table
-    /// row; padded tokens: slot -1, position 0, request -1) and writes the pinned staging,
+    /// row; padded tokens: slot -1, position 0, request -1) and writes the mapped staging,
     /// block-table updates included. Host work proportional to the requests, tokens and updated
     /// cells, never to the table width. On error nothing is written or recorded and the previous
     /// step stays staged.
@@ -775,11 +776,11 @@ impl CommonAttentionMetadata {
     }
 
     /// Applies a staged step's updates that exceed the fixed-size part
-    /// ([`CommonConfig::step_update_cells`]) on `s`: one copy of exactly its `1 + 2·cells` i32 of
-    /// staging and one scatter launch sized by the cells. Eager only (its sizes depend on the
-    /// data): a caller replaying a graph that holds the upload calls it before the replay;
+    /// ([`CommonConfig::step_update_cells`]) on `s`: one upload launch sized by the cells that writes
+    /// them from the mapped staging into the tables. Eager only (its shape depends on the data):
+    /// a caller replaying a graph that holds the upload calls it before the replay;
     /// [`CommonAttentionMetadata::upload`] calls it itself when it runs eagerly. A no-op when
-    /// nothing is pending. Returns the operations enqueued (0 or 2).
+    /// nothing is pending. Returns the launches enqueued (0 or 1).
     pub fn apply_bulk_table_updates(&self, s: &Stream) -> Result<usize> {
         let n = self.bulk_pending.load(Ordering::Acquire);
         if n == 0 {
@@ -796,10 +797,9 @@ impl CommonAttentionMetadata {
             });
         }
         let at = self.updates_offset()?;
-        s.copy_from_pinned(&self.staging, at, &self.step.slice(at, 1 + 2 * n)?)?;
-        self.scatter(s, at, n)?;
+        self.launch_upload(s, 0, at, n)?;
         self.bulk_pending.store(0, Ordering::Release);
-        Ok(2)
+        Ok(1)
     }
 
     /// Where the staged step's updates start in the packed fields.
@@ -808,37 +808,40 @@ impl CommonAttentionMetadata {
         Ok(offsets(l.num_reqs_padded, l.num_tokens_padded)[UPD])
     }
 
-    /// One scatter launch over the first `capacity` update pairs at `at` in the device copy (it
-    /// reads the count from there; the launch shape depends only on `capacity`).
-    fn scatter(&self, s: &Stream, at: usize, capacity: usize) -> Result<()> {
+    /// One upload launch: the first `words` staged words into the device step buffer, and the
+    /// first `capacity` update pairs at word `at` of the staging into the tables (the kernel reads
+    /// the count there; the launch shape depends only on `words` and `capacity`).
+    fn launch_upload(&self, s: &Stream, words: usize, at: usize, capacity: usize) -> Result<()> {
         let args = [
-            (&self.step.slice(at, 1 + 2 * capacity)?).into(),
+            (&self.staging.view()).into(),
+            (&self.step.view()).into(),
             (&self.tables[0].view()).into(),
             (&self.tables[1].view()).into(),
+            (words as u32).into(),
+            (at as u32).into(),
             (capacity as u32).into(),
             (self.tables[0].len() as u32).into(),
             (self.tables[1].len() as u32).into(),
         ];
-        s.launch(&self.attn.block_table_scatter, LaunchConfig::for_elements(capacity, SCATTER_THREADS), &args)?;
+        let threads = words.div_ceil(4).max(capacity);
+        s.launch(&self.attn.step_upload, LaunchConfig::for_elements(threads, UPLOAD_THREADS), &args)?;
         Ok(())
     }
 
-    /// Enqueues the staged step on `s`, no host sync: one pinned→device copy of the packed
-    /// per-request and per-token fields together with the fixed-size part of the updates
-    /// (`1 + 2·step_update_cells` i32; every length and offset depends only on the padded
-    /// counts), and one scatter launch that writes those updates into the device block tables
-    /// (its launch shape is fixed; it reads the count from the copy). A step with more update
-    /// cells first applies them with [`CommonAttentionMetadata::apply_bulk_table_updates`] (an
-    /// error while capturing: apply them before). Returns the number of operations enqueued (2,
-    /// or 4 with bulk).
+    /// Enqueues the staged step on `s`, no host sync: one kernel that reads the mapped staging in
+    /// place (no copy engine, which in a graph costs a round trip of its own), copies the packed
+    /// per-request and per-token fields into the persistent device buffer and writes the
+    /// fixed-size part of the updates (up to `step_update_cells`; it reads the count from the
+    /// staging) into the device block tables. Every length and offset, and so the launch shape,
+    /// depends only on the padded counts. A step with more update cells first applies them with
+    /// [`CommonAttentionMetadata::apply_bulk_table_updates`] (an error while capturing: apply
+    /// them before). Returns the number of launches enqueued (1, or 2 with bulk).
     pub fn upload(&self, s: &Stream) -> Result<usize> {
         let bulk = self.apply_bulk_table_updates(s)?;
-        let (at, slab) = (self.updates_offset()?, self.cfg.step_update_cells());
-        s.copy_from_pinned(&self.staging, 0, &self.step.prefix(at + 1 + 2 * slab)?)?;
-        // The scatter clamps the count to the slab: a bulk step's first cells are written again,
-        // with the same ids.
-        self.scatter(s, at, slab)?;
-        Ok(bulk + 2)
+        let at = self.updates_offset()?;
+        // A bulk step's first cells are written again, with the same ids.
+        self.launch_upload(s, at, at, self.cfg.step_update_cells())?;
+        Ok(bulk + 1)
     }
 
     /// The device view of packed field `i` of the staged step.

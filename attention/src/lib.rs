@@ -3,10 +3,10 @@
 //! Per step, the host hands [`CommonAttentionMetadata::stage`] the scheduler's inputs (query
 //! offsets, sequence lengths, positions, slot mapping, each request's table row and the step's
 //! block-table updates). They are validated and padded on the host — bad input is an
-//! [`AttentionError::InvalidInput`] before anything is enqueued — and written to pinned staging.
-//! Everything after that is device work on the step's stream: [`CommonAttentionMetadata::upload`]
-//! copies the staging into persistent buffers and scatters the updates into the persistent block
-//! tables, and the builders ([`SwaBuilder`], [`C128aBuilder`], [`C4aBuilder`]) turn it into dense and ragged index
+//! [`AttentionError::InvalidInput`] before anything is enqueued — and written to staging in mapped
+//! host memory. Everything after that is device work on the step's stream:
+//! [`CommonAttentionMetadata::upload`] is one kernel that reads the staging in place, copies it
+//! into persistent buffers and writes the updates into the persistent block tables, and the builders ([`SwaBuilder`], [`C128aBuilder`], [`C4aBuilder`]) turn it into dense and ragged index
 //! lists with kernels of [`source`] and the generic scan / pack of `holdfast-kernels`.
 //!
 //! The kernels that consume the metadata live here too: [`SparseAttention`] inserts each token's
@@ -21,7 +21,7 @@
 //! - **Views depend only on the padded row count.** Every view handed out is a prefix (or a fixed
 //!   slice) of a persistent buffer whose length is a function of [`StepLayout`]'s padded counts,
 //!   never of the data, and a ragged `indices` view is never empty. A FULL graph captured at `n`
-//!   rows therefore replays with any batch of `n` padded rows staged into the same pinned memory.
+//!   rows therefore replays with any batch of `n` padded rows staged into the same mapped memory.
 //! - **Uniform batches only in FULL graphs.** The builders declare
 //!   [`holdfast_graph::CgSupport::UniformBatch`]: the decode/prefill split (threshold
 //!   `1 + num_spec_tokens`) is decided on the host from the staged step, and on the fast path

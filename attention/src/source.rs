@@ -4,8 +4,9 @@
 //! kernels agree bit for bit. Launch shapes depend only on view lengths (padded row counts),
 //! never on contents. A token is valid when its slot is ≥ 0 and it belongs to a request (≥ 0).
 //! Block tables are indexed by table row, not batch row: token `t` of request `r = tok_req[t]`
-//! reads block `c` at `block_table[table_rows[r] · bt_width + c]`; `hf_dsv4_block_table_scatter`
-//! writes each step's updates into the persistent tables.
+//! reads block `c` at `block_table[table_rows[r] · bt_width + c]`; `hf_dsv4_step_upload` copies
+//! each step's fields from the mapped host staging and writes its updates into the persistent
+//! tables.
 
 use std::sync::OnceLock;
 
@@ -255,24 +256,54 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
     }
 }
 
-// Block-table updates: updates[0] = n (clamped to [0, capacity]), then n pairs (cell, block). A
-// cell below swa_cells indexes the SWA table, the others the KV table at cell - swa_cells; cells
-// out of both are skipped. Grid-stride over the capacity, so the launch shape never depends on n.
-HF_KERNEL void hf_dsv4_block_table_scatter(const int32_t* updates, int32_t* swa_table, int32_t* kv_table,
-                                           uint32_t capacity, uint32_t swa_cells, uint32_t kv_cells) {
-    int32_t c = updates[0];
-    const uint32_t n = c < 0 ? 0u : ((uint32_t)c < capacity ? (uint32_t)c : capacity);
-    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
-        const uint32_t cell = (uint32_t)updates[1 + 2 * (uint64_t)i];
-        const int32_t block = updates[2 + 2 * (uint64_t)i];
-        if (cell < swa_cells) swa_table[cell] = block;
-        else if (cell - swa_cells < kv_cells) kv_table[cell - swa_cells] = block;
+// The step upload, reading the mapped host staging in place (no copy engine): step[0 .. words) =
+// staging[0 .. words), then the block-table updates at staging[at]: staging[at] = n (clamped to
+// [0, capacity]), then n pairs (cell, block); a cell below swa_cells indexes the SWA table, the
+// others the KV table at cell - swa_cells; cells out of both are skipped. Every thread issues its
+// loads (a group of four words, the count and one pair) before any store, so the host link is
+// crossed once per launch; the launch shape depends only on words and capacity.
+HF_KERNEL void hf_dsv4_step_upload(const int32_t* staging, int32_t* step, int32_t* swa_table, int32_t* kv_table,
+                                   uint32_t words, uint32_t at, uint32_t capacity, uint32_t swa_cells,
+                                   uint32_t kv_cells) {
+    const uint32_t groups = (words + 3u) / 4u;
+    const bool vec = ((reinterpret_cast<uint64_t>(staging) | reinterpret_cast<uint64_t>(step)) & 15u) == 0u;
+    const uint32_t stride = gridDim.x * blockDim.x;
+    for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < groups || i < capacity; i += stride) {
+        const uint32_t w0 = 4u * i;
+        const bool whole = vec && w0 + 4u <= words;
+        hf_md_i4 w = {{0, 0, 0, 0}};
+        if (whole) {
+            w = *reinterpret_cast<const hf_md_i4*>(staging + w0);
+        } else if (i < groups) {
+#pragma unroll
+            for (uint32_t e = 0; e < 4u; ++e)
+                if (w0 + e < words) w.v[e] = staging[w0 + e];
+        }
+        int32_t count = 0, cell = 0, block = 0;
+        if (i < capacity) {
+            count = staging[at];
+            cell = staging[at + 1u + 2u * (uint64_t)i];
+            block = staging[at + 2u + 2u * (uint64_t)i];
+        }
+        if (whole) {
+            *reinterpret_cast<hf_md_i4*>(step + w0) = w;
+        } else if (i < groups) {
+#pragma unroll
+            for (uint32_t e = 0; e < 4u; ++e)
+                if (w0 + e < words) step[w0 + e] = w.v[e];
+        }
+        const uint32_t n = count < 0 ? 0u : ((uint32_t)count < capacity ? (uint32_t)count : capacity);
+        if (i < n) {
+            const uint32_t c = (uint32_t)cell;
+            if (c < swa_cells) swa_table[c] = block;
+            else if (c - swa_cells < kv_cells) kv_table[c - swa_cells] = block;
+        }
     }
 }
 "#;
 
-/// Threads per block of the block-table scatter.
-pub(crate) const SCATTER_THREADS: u32 = 256;
+/// Threads per block of the step upload.
+pub(crate) const UPLOAD_THREADS: u32 = 256;
 
 /// Threads per block of the c4a kernel (its launcher must use exactly this many).
 pub const C4A_THREADS: u32 = 128;
@@ -450,12 +481,12 @@ fn c4a_decode(l: &CpuLaunch<'_>) -> Result<()> {
     Ok(())
 }
 
-fn block_table_scatter(l: &CpuLaunch<'_>) -> Result<()> {
-    let (upd, swa, kv) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?);
-    let (cap, swa_cells, kv_cells) = (l.count(3)?, l.count(4)?, l.count(5)?);
-    let n = usize::try_from(upd.get(0)?).unwrap_or(0).min(cap);
-    let pairs = upd.read(1, 2 * n)?;
-    for p in pairs.chunks_exact(2) {
+fn step_upload(l: &CpuLaunch<'_>) -> Result<()> {
+    let (staging, step, swa, kv) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
+    let (words, at, cap, swa_cells, kv_cells) = (l.count(4)?, l.count(5)?, l.count(6)?, l.count(7)?, l.count(8)?);
+    step.write(0, &staging.read(0, words)?)?;
+    let n = usize::try_from(staging.get(at)?).unwrap_or(0).min(cap);
+    for p in staging.read(at + 1, 2 * n)?.chunks_exact(2) {
         let (cell, block) = (p[0] as u32 as usize, p[1]);
         if cell < swa_cells {
             swa.set(cell, block)?;
@@ -556,16 +587,19 @@ pub fn source() -> &'static KernelSource {
                     cpu: c4a_decode,
                 },
                 KernelEntry {
-                    name: "hf_dsv4_block_table_scatter",
+                    name: "hf_dsv4_step_upload",
                     params: vec![
-                        inp("updates"),
+                        inp("staging"),
+                        out("step"),
                         Param::inout::<i32>("swa_table"),
                         Param::inout::<i32>("kv_table"),
+                        u("words"),
+                        u("at"),
                         u("capacity"),
                         u("swa_cells"),
                         u("kv_cells"),
                     ],
-                    cpu: block_table_scatter,
+                    cpu: step_upload,
                 },
             ],
         }
@@ -585,7 +619,7 @@ pub(crate) struct AttnKernels {
     pub(crate) c128a_decode: holdfast_hal::Kernel,
     pub(crate) c128a_prefill: holdfast_hal::Kernel,
     pub(crate) c4a_decode: holdfast_hal::Kernel,
-    pub(crate) block_table_scatter: holdfast_hal::Kernel,
+    pub(crate) step_upload: holdfast_hal::Kernel,
 }
 
 impl AttnKernels {
@@ -598,7 +632,7 @@ impl AttnKernels {
             c128a_decode: m.kernel("hf_dsv4_c128a_decode")?,
             c128a_prefill: m.kernel("hf_dsv4_c128a_prefill")?,
             c4a_decode: m.kernel("hf_dsv4_c4a_decode")?,
-            block_table_scatter: m.kernel("hf_dsv4_block_table_scatter")?,
+            step_upload: m.kernel("hf_dsv4_step_upload")?,
         })
     }
 }
