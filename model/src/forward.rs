@@ -25,7 +25,7 @@ use holdfast_attention::{
     RaggedKv, SparseAttention, SwaBuilder,
 };
 use holdfast_graph::{BatchDescriptor, Forward, GraphError, PersistentArena, PieceCtx, RuntimeMode, StepKind};
-use holdfast_hal::{Buffer, Communicator, Device, PinnedBuffer, ReduceOp, Stream, View};
+use holdfast_hal::{Buffer, Communicator, Device, MappedBuffer, ReduceOp, Stream, View};
 use holdfast_kernels::{DenseKernels, Gemm};
 use holdfast_mhc::{
     HcHeadParams, HcHeadWeights, MhcConfig, MhcKernels, MhcOps, MhcPostInputs, MhcPreOutputs, MhcPreParams,
@@ -90,8 +90,12 @@ pub struct ModelForward {
     indexer: Option<Indexer>,
     layer_ops: Vec<LayerOps>,
     caches: Vec<LayerCaches>,
-    ids_staging: PinnedBuffer<i32>,
-    rows_staging: PinnedBuffer<i32>,
+    /// `[max_num_batched_tokens]` token ids of the step, in mapped host memory: the embedding
+    /// reads them in place (no copy node in a graph).
+    ids: MappedBuffer<i32>,
+    /// `[max_num_seqs]` token row sampled for each request (-1 for padding), mapped likewise: the
+    /// sampler reads them in place.
+    sample_rows: MappedBuffer<i32>,
     /// Token rows of the step [`ModelForward::stage_step`] staged, taken by the next real
     /// [`Forward::prepare`].
     staged: Option<usize>,
@@ -125,7 +129,8 @@ impl std::fmt::Debug for ModelForward {
     }
 }
 
-/// Names of the arena buffers, with their element counts per token row (`T` multiples) or fixed.
+/// Names of the arena buffers, with their element counts per token row (`T` multiples) or fixed
+/// (and of the two mapped step inputs, `IDS` and `ROWS`).
 mod buf {
     pub const IDS: &str = "ids";
     pub const ROWS: &str = "sample_rows";
@@ -294,8 +299,6 @@ impl ModelForward {
 
         let mut arena = PersistentArena::new(dev);
         let (q, f, r, gq) = (cfg.q_lora_rank, local.ffn, cfg.o_lora_rank, local.o_groups);
-        arena.alloc::<i32>(buf::IDS, tm)?;
-        arena.alloc::<i32>(buf::ROWS, sm)?;
         arena.alloc::<bf16>(buf::H, tm * h)?;
         arena.alloc::<bf16>(buf::RESIDUAL, tm * n * h)?;
         for i in 0..2 {
@@ -353,8 +356,8 @@ impl ModelForward {
             indexer,
             layer_ops,
             caches,
-            ids_staging: dev.alloc_pinned::<i32>(tm)?,
-            rows_staging: dev.alloc_pinned::<i32>(sm)?,
+            ids: dev.alloc_mapped::<i32>(buf::IDS, tm)?,
+            sample_rows: dev.alloc_mapped::<i32>(buf::ROWS, sm)?,
             staged: None,
             scratch: Vec::new(),
             op_names: (0..cfg.num_hidden_layers)
@@ -426,7 +429,7 @@ impl ModelForward {
         Ok(s.copy_to_host_sync(&self.arena.view::<f32>(buf::LOGITS, rows * self.cfg.vocab_size)?)?)
     }
 
-    /// Writes the pinned inputs for `t` token rows: `step`'s data, or for warm-up and capture
+    /// Writes the mapped inputs for `t` token rows: `step`'s data, or for warm-up and capture
     /// (`None`) a step of padding rows only.
     fn stage(&mut self, t: usize, step: Option<&Step>) -> Result<()> {
         let sm = self.limits.max_num_seqs;
@@ -448,11 +451,11 @@ impl ModelForward {
                 scratch.clear();
                 scratch.extend_from_slice(&step.token_ids);
                 scratch.resize(t, -1);
-                self.ids_staging.write(0, &scratch)?;
+                self.ids.write(0, &scratch)?;
                 scratch.clear();
                 scratch.extend(step.sample_rows().into_iter().map(|r| r as i32));
                 scratch.resize(rp, -1);
-                self.rows_staging.write(0, &scratch)?;
+                self.sample_rows.write(0, &scratch)?;
             }
             None => {
                 // Warm-up and capture: no request, every row padding (reads nothing, writes nothing).
@@ -470,8 +473,8 @@ impl ModelForward {
                 self.common.stage(&input)?;
                 scratch.clear();
                 scratch.resize(t.max(rp), -1);
-                self.ids_staging.write(0, &scratch[..t])?;
-                self.rows_staging.write(0, &scratch[..rp])?;
+                self.ids.write(0, &scratch[..t])?;
+                self.sample_rows.write(0, &scratch[..rp])?;
             }
         }
         self.scratch = scratch;
@@ -487,11 +490,8 @@ impl ModelForward {
     }
 
     /// Upload + SWA/c128a builds; returns the SWA and c128a ragged lists.
-    fn metadata(&self, s: &Stream, t: usize) -> Result<StepMeta> {
-        let rp = sample_rows(t, self.limits.max_num_seqs);
+    fn metadata(&self, s: &Stream) -> Result<StepMeta> {
         self.common.upload(s)?;
-        s.copy_from_pinned(&self.ids_staging, 0, &self.v::<i32>(buf::IDS, t)?)?;
-        s.copy_from_pinned(&self.rows_staging, 0, &self.v::<i32>(buf::ROWS, rp)?)?;
         // Captured: the c128a build on a branch forked after the upload, joined after the SWA
         // build (the same kernels on the same data either way, so the same bits).
         let fork = self.c128a.is_some() && s.is_capturing();
@@ -519,7 +519,15 @@ impl ModelForward {
     fn head_piece(&self, s: &Stream, t: usize) -> Result<()> {
         let (h, n) = (self.cfg.hidden_size, self.cfg.hc_mult);
         let hid = self.v::<bf16>(buf::H, t * h)?;
-        self.dense.embed(s, &self.weights.embed.view(), &self.v(buf::IDS, t)?, &hid, t, h, self.cfg.vocab_size)?;
+        self.dense.embed(
+            s,
+            &self.weights.embed.view(),
+            &self.ids.buffer().prefix(t)?,
+            &hid,
+            t,
+            h,
+            self.cfg.vocab_size,
+        )?;
         let res = self.v::<bf16>(buf::RESIDUAL, t * n * h)?;
         self.dense.repeat_rows(s, &hid, &res, t, n, h)?;
         let (f, sc, b) = Self::pre_weights(&self.weights.layers[0].hc_attn);
@@ -697,7 +705,7 @@ impl ModelForward {
         let rows = sample_rows(t, self.limits.max_num_seqs);
         let sampled = self.v::<bf16>(buf::HS, rows * h)?;
         // The gather of the sampled rows is an embedding lookup into the T rows of `h`.
-        dk.embed(s, &hid, &self.v(buf::ROWS, rows)?, &sampled, rows, h, t)?;
+        dk.embed(s, &hid, &self.sample_rows.buffer().prefix(rows)?, &sampled, rows, h, t)?;
         let logits = self.v::<f32>(buf::LOGITS, rows * c.vocab_size)?;
         dk.matmul_f32(
             s,
@@ -755,7 +763,7 @@ impl Forward for ModelForward {
         let this = &*self;
         let mut meta = None;
         pieces.splitting_op(stream, "attention metadata", &[], |s| {
-            meta = Some(this.metadata(s, t).map_err(g("attention metadata"))?);
+            meta = Some(this.metadata(s).map_err(g("attention metadata"))?);
             Ok(())
         })?;
         let meta = meta.ok_or_else(|| to_graph("attention metadata", ModelError::Step("not built".into())))?;
