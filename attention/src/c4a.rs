@@ -10,7 +10,7 @@ use crate::common::{
     RaggedBuffers, StepLayout, TableKind,
 };
 use crate::error::{AttentionError, Result};
-use crate::source::{row_grid, AttnKernels, C4A_BLOCKS_PER_UNIT, C4A_SYNC_WORDS, C4A_THREADS};
+use crate::source::{row_grid, AttnKernels, C4A_MAX_ENTRIES, C4A_SYNC_WORDS, C4A_THREADS};
 
 /// Tokens per c4a compressed entry.
 pub const C4A_RATIO: usize = 4;
@@ -49,8 +49,8 @@ pub struct C4aBuilder {
     ragged: RaggedBuffers,
     /// The kernel's block counters (zero between launches).
     sync: Buffer<i32>,
-    /// Most blocks per launch: all of them must be resident at once.
-    max_blocks: usize,
+    /// `[max_num_batched_tokens]` chained-scan status word per row (zero between launches).
+    status: Buffer<i32>,
 }
 
 impl std::fmt::Debug for C4aBuilder {
@@ -79,12 +79,17 @@ impl C4aBuilder {
             return Err(AttentionError::Config("index_topk must be positive".into()));
         }
         let t = cfg.max_num_batched_tokens;
+        if t.checked_mul(topk).is_none_or(|e| e > C4A_MAX_ENTRIES) {
+            return Err(AttentionError::Config(format!(
+                "max_num_batched_tokens {t} × index_topk {topk} exceeds the {C4A_MAX_ENTRIES} entries a c4a build counts"
+            )));
+        }
         let ragged = RaggedBuffers::new(dev, alloc, "attn.c4a.ragged", t, topk)?;
-        let sync = dev.alloc_persistent::<i32>("attn.c4a.sync", C4A_SYNC_WORDS)?;
-        dev.write_sync(&sync, &[0; C4A_SYNC_WORDS])?;
+        let sync = dev.alloc_zeroed::<i32>("attn.c4a.sync", C4A_SYNC_WORDS, true)?;
+        let status = dev.alloc_zeroed::<i32>("attn.c4a.scan_status", t.max(1), true)?;
         Ok(C4aBuilder {
             sync,
-            max_blocks: dev.info().compute_units.max(1) as usize * C4A_BLOCKS_PER_UNIT,
+            status,
             topk,
             cbs: bs / C4A_RATIO,
             max_tokens: t,
@@ -110,11 +115,11 @@ impl C4aBuilder {
     }
 
     /// Enqueues the step's c4a decode build on `s` from `topk_indices` (`[≥ num_decode_tokens,
-    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 1 launch (the
-    /// lengths, then scan + pack, in two phases of one grid), no host sync. The two phases meet at
-    /// a counter of this builder's, so one build per builder may be in flight at a time (enqueue
-    /// builds of one builder on one stream, or on one branch of a graph); the grid is at most four
-    /// blocks per multiprocessor, all resident at once.
+    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 1 launch of
+    /// one block per row (the lengths, their scan and the pack in one pass: a chained scan over
+    /// per-row status words, rows taken in the order blocks start), no host sync. The scan's
+    /// counters and status words are this builder's, so one build per builder may be in flight
+    /// at a time (enqueue builds of one builder on one stream, or on one branch of a graph).
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata, topk_indices: &View<i32>) -> Result<C4aMetadata> {
         let c = common.config();
         if c.max_num_batched_tokens > self.max_tokens {
@@ -157,14 +162,14 @@ impl C4aBuilder {
                 (&ragged.indptr).into(),
                 (&ragged.indices).into(),
                 (&self.sync).into(),
+                (&self.status).into(),
                 (d as u32).into(),
                 (k as u32).into(),
                 (C4A_RATIO as u32).into(),
                 (self.cbs as u32).into(),
                 (bt.max_blocks_per_seq as u32).into(),
             ];
-            // Its two phases wait for each other: a grid the device holds at once.
-            s.launch(&self.attn.c4a_decode, row_grid(d.min(self.max_blocks), C4A_THREADS), &args)?;
+            s.launch(&self.attn.c4a_decode, row_grid(d, C4A_THREADS), &args)?;
             Ok((Some(C4aDecode { lens, ragged }), 1))
         })?;
         Ok(C4aMetadata { layout, decode, stats: BuildStats { launches, host_syncs } })

@@ -177,46 +177,46 @@ HF_KERNEL void hf_dsv4_c128a_prefill(const int32_t* positions, const int32_t* sl
 #define HF_C4A_UNROLL 8
 __device__ __forceinline__ bool hf_c4a_keep(int32_t v, int32_t avail) { return v >= 0 && v < avail; }
 
-// The c4a decode build in one launch, in two phases over the rows (a grid-stride loop each):
-// (1) lens[t] = kept entries of row t; then, once every block has finished (1) (a counter in
-// `sync`: the grid is small enough to be resident all at once, see the launcher), (2) indptr[0] =
-// 0, indptr[t + 1] = lens[0] + ... + lens[t], and flat[indptr[t] + i] = global slot of the i-th
-// kept entry of row t (row order preserved). Each block sums the lengths before its row
-// (integers: exact in any order); thread h owns the contiguous chunk [h * ceil(k / T), ...) of the
-// row, so a block scan of the per-thread counts keeps the order. sync[0] counts the blocks done
-// with (1), sync[1] those done with (2); the last to finish zeroes both for the next launch.
+// The c4a decode build in one launch, one pass over the rows, no grid-wide wait: a block takes
+// rows by ticket (sync[0], in the order blocks start), counts row t's kept entries (lens[t]),
+// and finds the kept entries of every row before it by a chained scan over per-row status words
+// (status[t]: a flag, HF_C4A_AGG = "its own count is here" or HF_C4A_INC = "the count of rows
+// 0 ..= t is here", in the top bits, the value below): warp 0 looks back a warp's width of rows
+// at a time and stops at the nearest row that published its inclusive sum. A block only waits
+// for rows of lower tickets, whose blocks are already running and wait only for rows lower
+// still, so the scan needs no co-residency. Then indptr[t + 1] = (rows 0 ..= t), and flat[indptr[t]
+// + i] = the global slot of the i-th kept entry of row t (row order preserved: thread h owns the
+// contiguous chunk [h * ceil(k / T), ...) of the row and a block scan orders the threads). The
+// last block to finish (sync[1]) zeroes the status words and both counters for the next launch.
+// Integer sums only: exact in any order, so the output does not depend on which block took
+// which row.
+#define HF_C4A_AGG 0x40000000u
+#define HF_C4A_INC 0x80000000u
+#define HF_C4A_VALUE 0x3fffffffu
 HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions, const int32_t* slots,
                                   const int32_t* tok_req, const int32_t* table_rows, const int32_t* block_table,
-                                  int32_t* lens, int32_t* indptr, int32_t* flat, int32_t* sync_i, uint32_t n,
-                                  uint32_t k, uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
+                                  int32_t* lens, int32_t* indptr, int32_t* flat, int32_t* sync_i, int32_t* status_i,
+                                  uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
     __shared__ int32_t part[HF_C4A_THREADS];
+    __shared__ uint32_t s_ticket, s_last;
+    __shared__ int32_t s_base;
     uint32_t* sync = reinterpret_cast<uint32_t*>(sync_i);
+    uint32_t* status = reinterpret_cast<uint32_t*>(status_i);
+    const volatile uint32_t* vstatus = status;
     const uint32_t chunk = (k + HF_C4A_THREADS - 1) / HF_C4A_THREADS;
     const uint32_t begin = threadIdx.x * chunk;
     const uint32_t end = begin + chunk < k ? begin + chunk : k;
     const bool held = chunk <= HF_C4A_UNROLL;
-    // (1) the lengths.
-    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        const bool valid = slots[t] >= 0 && tok_req[t] >= 0;
+    const int lane = (int)(threadIdx.x % HF_WARP_SIZE);
+    for (;;) {
+        __syncthreads();  // the previous row's readers of s_ticket and s_base are done
+        if (threadIdx.x == 0) s_ticket = atomicAdd(&sync[0], 1u);
+        __syncthreads();
+        const uint32_t t = s_ticket;
+        if (t >= n) break;
+        const int32_t req = tok_req[t];
+        const bool valid = slots[t] >= 0 && req >= 0;
         const int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
-        const int32_t* row = topk + (uint64_t)t * k;
-        const int32_t c = hf_thread_sum_below(k, [&](uint32_t j) { return (int32_t)hf_c4a_keep(row[j], avail); });
-        const int32_t total = hf_block_sum_i32(c, part);
-        if (threadIdx.x == 0) lens[t] = total;
-    }
-    hf_block_release_add_u32(&sync[0]);
-    if (threadIdx.x == 0) hf_acquire_until_u32(&sync[0], gridDim.x);
-    __syncthreads();
-    // (2) scan and pack. The lengths were written by other blocks in this launch: volatile loads.
-    const volatile int32_t* vlens = lens;
-    if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
-    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        const int32_t before = hf_thread_sum_below(t, [&](uint32_t q) { return (int32_t)vlens[q]; });
-        const int32_t base = hf_block_sum_i32(before, part);
-        if (threadIdx.x == 0) indptr[t + 1] = base + vlens[t];
-        int32_t req = tok_req[t];
-        bool valid = slots[t] >= 0 && req >= 0;
-        int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
         const int32_t* in = topk + (uint64_t)t * k;
         // Chunks of up to HF_C4A_UNROLL entries (index_topk <= 1024) are held in registers, their
         // loads (and then their table reads) all in flight at once.
@@ -230,9 +230,43 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
         } else {
             for (uint32_t j = begin; j < end; ++j) c += hf_c4a_keep(in[j], avail);
         }
-        int32_t kept;
-        int32_t out = base + hf_block_exclusive_scan_i32(c, part, &kept);
         const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
+        int32_t kept;
+        const int32_t off = hf_block_exclusive_scan_i32(c, part, &kept);
+        if (threadIdx.x < HF_WARP_SIZE) {
+            int32_t base = 0;
+            if (t > 0) {
+                if (threadIdx.x == 0) atomicExch(&status[t], HF_C4A_AGG | (uint32_t)kept);
+                for (int64_t top = (int64_t)t;; top -= HF_WARP_SIZE) {
+                    // Lane i reads row top - 1 - i (rows below 0 read as an inclusive 0).
+                    const int64_t q = top - 1 - lane;
+                    uint32_t w = HF_C4A_INC;
+                    if (q >= 0) {
+                        do w = vstatus[q];
+                        while (w == 0u);
+                    }
+                    // The nearest lane holding an inclusive sum; lanes up to it add their values.
+                    int first = (w & HF_C4A_INC) ? lane : HF_WARP_SIZE;
+                    for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) {
+                        const int o = hf_shfl_xor(first, m);
+                        first = o < first ? o : first;
+                    }
+                    int32_t x = lane <= first ? (int32_t)(w & HF_C4A_VALUE) : 0;
+                    for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) x += hf_shfl_xor(x, m);
+                    base += x;
+                    if (first < HF_WARP_SIZE) break;
+                }
+            }
+            if (threadIdx.x == 0) {
+                atomicExch(&status[t], HF_C4A_INC | (uint32_t)(base + kept));
+                s_base = base;
+                lens[t] = kept;
+                indptr[t + 1] = base + kept;
+                if (t == 0) indptr[0] = 0;
+            }
+        }
+        __syncthreads();
+        int32_t out = s_base + off;
         if (held) {
             int32_t slot[HF_C4A_UNROLL];
 #pragma unroll
@@ -246,13 +280,16 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
                 if (hf_c4a_keep(x, avail)) flat[out++] = hf_slot(row, x, (int32_t)cbs);
             }
         }
-        __syncthreads();
     }
-    // Leave: the last block resets both counters.
+    // Leave: the last block clears the status words and the counters.
+    if (threadIdx.x == 0) s_last = atomicAdd(&sync[1], 1u) == gridDim.x - 1u;
     __syncthreads();
-    if (threadIdx.x == 0 && atomicAdd(&sync[1], 1u) == gridDim.x - 1) {
-        atomicExch(&sync[0], 0u);
-        atomicExch(&sync[1], 0u);
+    if (s_last) {
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) status[i] = 0u;
+        if (threadIdx.x == 0) {
+            sync[0] = 0u;
+            sync[1] = 0u;
+        }
     }
 }
 
@@ -309,10 +346,9 @@ pub(crate) const UPLOAD_THREADS: u32 = 256;
 pub const C4A_THREADS: u32 = 128;
 /// Counter words of the c4a kernel's `sync` buffer (zero between launches).
 pub const C4A_SYNC_WORDS: usize = 2;
-/// Blocks of the c4a kernel per multiprocessor at most: its two phases wait for each other, so
-/// its whole grid must be resident at once (128-thread blocks with 1 KiB of shared memory: a
-/// multiprocessor holds far more than this).
-pub(crate) const C4A_BLOCKS_PER_UNIT: usize = 4;
+/// Most kept entries of one c4a build (`rows × topk`): the value field of the kernel's chained-scan
+/// status words (30 bits).
+pub const C4A_MAX_ENTRIES: usize = (1 << 30) - 1;
 
 /// `(valid, position, request)` of token `t`.
 fn token(pos: &CpuPtr<'_, i32>, slots: &CpuPtr<'_, i32>, req: &CpuPtr<'_, i32>, t: usize) -> Result<(bool, i64, i64)> {
@@ -442,10 +478,16 @@ fn c128a_prefill(l: &CpuLaunch<'_>) -> Result<()> {
 fn c4a_decode(l: &CpuLaunch<'_>) -> Result<()> {
     let (topk, pos, slots, req) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
     let (rows, bt, lens) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?);
-    let (indptr, flat, sync) = (l.ptr::<i32>(7)?, l.ptr::<i32>(8)?, l.ptr::<i32>(9)?);
-    let (n, k, ratio, cbs, w) = (l.count(10)?, l.count(11)?, l.count(12)? as i64, l.count(13)? as i64, l.count(14)?);
+    let (indptr, flat, sync, status) = (l.ptr::<i32>(7)?, l.ptr::<i32>(8)?, l.ptr::<i32>(9)?, l.ptr::<i32>(10)?);
+    let (n, k, ratio, cbs, w) = (l.count(11)?, l.count(12)?, l.count(13)? as i64, l.count(14)? as i64, l.count(15)?);
     if sync.len() < C4A_SYNC_WORDS {
         return Err(l.fail(format!("`sync` holds {} words, the launch needs {C4A_SYNC_WORDS}", sync.len())));
+    }
+    if status.len() < n {
+        return Err(l.fail(format!("`status` holds {} words, {n} rows need one each", status.len())));
+    }
+    if n.checked_mul(k).is_none_or(|e| e > C4A_MAX_ENTRIES) {
+        return Err(l.fail(format!("{n} rows × {k} entries exceed the {C4A_MAX_ENTRIES} a build can count")));
     }
     // (1) The lengths, then (2) their exclusive scan (two's-complement adds, as the device's)
     // and the pack.
@@ -578,6 +620,7 @@ pub fn source() -> &'static KernelSource {
                         out("indptr"),
                         out("flat"),
                         Param::inout::<i32>("sync"),
+                        Param::inout::<i32>("status"),
                         u("n"),
                         u("k"),
                         u("ratio"),
