@@ -85,24 +85,60 @@ HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t
 // compressed entries' global slots (compressed block size cbs), -1 after; lens[t] = n, 0 (and all
 // -1) if invalid; and, in the same launch, indptr / flat as hf_dsv4_swa_decode. Where the dense
 // rows are 16-byte aligned (width % 4 == 0 and an aligned buffer) each thread makes four
-// consecutive entries (one division for the four, one 16-byte store of the dense row).
+// consecutive entries (one division for the four, one 16-byte store of the dense row). The
+// table entries a row reads (up to HF_C128A_TROW) are staged in shared memory first, so the
+// passes that write never wait on a table load behind the stream of stores.
 struct alignas(16) hf_md_i4 { int32_t v[4]; };
 #define HF_MD_ROUNDS 4
+// Table entries a c128a block stages in shared memory before it writes (16 KiB): a row that needs
+// more reads the table directly.
+#define HF_C128A_TROW 4096
+// Starts copying row[0 .. need) (need <= HF_C128A_TROW) into shared dst, every load in flight at
+// once (cp.async where the row is 16-byte aligned on sm_80+); hf_md_stage_wait() completes it for
+// the whole block. A 16-byte chunk past `need` stays inside the table: a row that needs entries
+// belongs to a request, and the null row follows every request's row.
+__device__ __forceinline__ void hf_md_stage(const int32_t* row, uint32_t need, int32_t* dst) {
+#if defined(HF_HAS_MMA)
+    if ((reinterpret_cast<uint64_t>(row) & 15u) == 0u) {
+        for (uint32_t i = threadIdx.x; 4u * i < need; i += blockDim.x)
+            hf_cp_async16(hf_smem_addr(dst + 4u * i), row + 4u * i, 16u);
+        hf_cp_async_commit();
+        return;
+    }
+#endif
+    for (uint32_t i = threadIdx.x; i < need; i += blockDim.x) dst[i] = row[i];
+}
+__device__ __forceinline__ void hf_md_stage_wait() {
+#if defined(HF_HAS_MMA)
+    hf_cp_async_wait_all();
+#endif
+    __syncthreads();
+}
 HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
                                     const int32_t* table_rows, const int32_t* block_table, int32_t* indices,
                                     int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t width,
                                     uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
     __shared__ int32_t part[1024];
+    __shared__ hf_md_i4 trow4[HF_C128A_TROW / 4];  // 16-byte aligned through its type
+    int32_t* trow = trow4[0].v;
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     const bool vec = width % 4u == 0u && (reinterpret_cast<uint64_t>(indices) & 15u) == 0u;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
-        const int32_t before =
-            hf_thread_sum_below(t, [&](uint32_t q) { return hf_c128a_len(positions, slots, tok_req, q, width, ratio); });
-        const int32_t base = hf_block_sum_i32(before, part);
+        __syncthreads();  // the previous row's readers of trow are done
+        // The row's table entries first: their loads are in flight while the block sums the
+        // lengths before its row, and the stores below never wait on the table.
         int32_t req = tok_req[t];
         bool valid = slots[t] >= 0 && req >= 0;
         const int32_t c = hf_c128a_len(positions, slots, tok_req, t, width, ratio);
-        const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
+        const int32_t* table_row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
+        const uint32_t need = ((uint32_t)c + cbs - 1u) / cbs;
+        const bool staged = need <= HF_C128A_TROW;
+        if (staged) hf_md_stage(table_row, need, trow);
+        const int32_t before =
+            hf_thread_sum_below(t, [&](uint32_t q) { return hf_c128a_len(positions, slots, tok_req, q, width, ratio); });
+        const int32_t base = hf_block_sum_i32(before, part);
+        if (staged) hf_md_stage_wait();
+        const int32_t* row = staged ? trow : table_row;
         int32_t* dense = indices + (uint64_t)t * width;
         if (vec) {
             // HF_MD_ROUNDS groups of four per pass, their table reads all in flight before any store.

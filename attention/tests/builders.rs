@@ -268,7 +268,23 @@ fn more_rows_than_blocks_are_built_by_grid_strides(dev: &Device) {
     }
 }
 
+fn long_c128a_rows_past_the_shared_table_stage_read_the_table_directly(dev: &Device) {
+    // KV blocks of 128 tokens: one compressed entry per block, so a row at a 1M-token context
+    // reads up to 8192 table entries, more than the 4096 the kernel stages in shared memory.
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(0x10C6);
+    let cfg = config(16, 16, 1 << 20, 0, 64, 128);
+    let mut rig = Rig::new(dev, cfg, 128, 64);
+    for _ in 0..2 {
+        let b = random_batch(&mut rng, &cfg, 16, 0, 0, 0);
+        let long = b.positions.iter().filter(|&&p| (p as usize + 1) / 128 > 4096).count();
+        assert!(long > 0 && long < 16, "rows on both paths ({long} long)");
+        rig.check(dev, &s, &b, &mut rng);
+    }
+}
+
 holdfast_hal::device_suite!(
+    long_c128a_rows_past_the_shared_table_stage_read_the_table_directly,
     builders_match_the_reference_on_random_batches,
     uniform_padded_decode_rows_are_all_decode_rows_of_length_zero,
     bad_inputs_are_errors_before_any_kernel,
