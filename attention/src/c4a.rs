@@ -10,7 +10,7 @@ use crate::common::{
     RaggedBuffers, StepLayout, TableKind,
 };
 use crate::error::{AttentionError, Result};
-use crate::source::{row_grid, AttnKernels, C4A_BLOCKS_PER_UNIT, C4A_MAX_ENTRIES, C4A_SYNC_WORDS, C4A_THREADS};
+use crate::source::{row_grid, AttnKernels, C4A_MAX_ENTRIES, C4A_SYNC_WORDS, C4A_THREADS};
 
 /// Tokens per c4a compressed entry.
 pub const C4A_RATIO: usize = 4;
@@ -51,8 +51,6 @@ pub struct C4aBuilder {
     sync: Buffer<i32>,
     /// `[max_num_batched_tokens]` chained-scan status word per row (zero between launches).
     status: Buffer<i32>,
-    /// Most blocks per launch (a fixed number per multiprocessor).
-    max_blocks: usize,
 }
 
 impl std::fmt::Debug for C4aBuilder {
@@ -92,7 +90,6 @@ impl C4aBuilder {
         Ok(C4aBuilder {
             sync,
             status,
-            max_blocks: dev.info().compute_units.max(1) as usize * C4A_BLOCKS_PER_UNIT,
             topk,
             cbs: bs / C4A_RATIO,
             max_tokens: t,
@@ -119,9 +116,8 @@ impl C4aBuilder {
 
     /// Enqueues the step's c4a decode build on `s` from `topk_indices` (`[≥ num_decode_tokens,
     /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 1 launch of
-    /// at most two blocks per multiprocessor, each taking rows by ticket in the order blocks start
-    /// (the lengths, their scan and the pack in one pass: a chained scan over per-row status
-    /// words), no host sync. The scan's
+    /// one block per row (the lengths, their scan and the pack in one pass: a chained scan over
+    /// per-row status words, rows taken in the order blocks start), no host sync. The scan's
     /// counters and status words are this builder's, so one build per builder may be in flight
     /// at a time (enqueue builds of one builder on one stream, or on one branch of a graph).
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata, topk_indices: &View<i32>) -> Result<C4aMetadata> {
@@ -173,7 +169,7 @@ impl C4aBuilder {
                 (self.cbs as u32).into(),
                 (bt.max_blocks_per_seq as u32).into(),
             ];
-            s.launch(&self.attn.c4a_decode, row_grid(d.min(self.max_blocks), C4A_THREADS), &args)?;
+            s.launch(&self.attn.c4a_decode, row_grid(d, C4A_THREADS), &args)?;
             Ok((Some(C4aDecode { lens, ragged }), 1))
         })?;
         Ok(C4aMetadata { layout, decode, stats: BuildStats { launches, host_syncs } })

@@ -385,10 +385,6 @@ pub const C4A_SYNC_WORDS: usize = 2;
 /// Most kept entries of one c4a build (`rows × topk`): the value field of the kernel's chained-scan
 /// status words (30 bits).
 pub const C4A_MAX_ENTRIES: usize = (1 << 30) - 1;
-/// Most c4a blocks per multiprocessor (blocks take further rows by ticket): the build runs beside
-/// the c128a build in a step's graph, and more of its latency-bound blocks would only take
-/// multiprocessor slots from that one.
-pub(crate) const C4A_BLOCKS_PER_UNIT: usize = 2;
 
 /// `(valid, position, request)` of token `t`.
 fn token(pos: &CpuPtr<'_, i32>, slots: &CpuPtr<'_, i32>, req: &CpuPtr<'_, i32>, t: usize) -> Result<(bool, i64, i64)> {
