@@ -121,6 +121,25 @@ impl CudaDevice {
     fn bind(&self) -> Result<()> {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))
     }
+
+    /// Page-locked host memory allocated with `flags`, and its device address.
+    fn alloc_host_mapped(&self, bytes: usize, label: &str, flags: u32) -> Result<MemImpl> {
+        // SAFETY: page-locked allocation; owned by the returned handle (freed with cuMemFreeHost).
+        let host = unsafe { result::malloc_host(bytes.max(8), flags) }.map_err(|e| match drv("cuMemHostAlloc")(e) {
+            HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
+            other => other,
+        })?;
+        let mapped = MappedHost { ptr: host.cast(), bytes };
+        // SAFETY: fresh allocation of at least `bytes` bytes.
+        unsafe { std::ptr::write_bytes(mapped.ptr, 0, bytes) };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `host` came from cuMemHostAlloc; out-parameter. On failure `mapped` is dropped
+        // with the handle below, which frees it.
+        let got = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut ptr, host, 0) }.result();
+        let mem = CudaMem { ctx: self.ctx.clone(), ptr, mapped: Some(mapped) };
+        got.map_err(drv("cuMemHostGetDevicePointer"))?;
+        Ok(MemImpl::Cuda(mem))
+    }
 }
 
 impl DeviceOps for CudaDevice {
@@ -136,23 +155,15 @@ impl DeviceOps for CudaDevice {
 
     fn alloc_mapped(&self, bytes: usize, label: &str) -> Result<MemImpl> {
         self.bind()?;
-        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: page-locked allocation mapped into the device's address space; owned by the
-        // returned handle (freed with cuMemFreeHost).
-        let host = unsafe { result::malloc_host(bytes.max(8), flags) }.map_err(|e| match drv("cuMemHostAlloc")(e) {
-            HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
-            other => other,
-        })?;
-        let mapped = MappedHost { ptr: host.cast(), bytes };
-        // SAFETY: fresh allocation of at least `bytes` bytes.
-        unsafe { std::ptr::write_bytes(mapped.ptr, 0, bytes) };
-        let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: `host` came from cuMemHostAlloc with DEVICEMAP; out-parameter. On failure
-        // `mapped` is dropped with the handle below, which frees it.
-        let got = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut ptr, host, 0) }.result();
-        let mem = CudaMem { ctx: self.ctx.clone(), ptr, mapped: Some(mapped) };
-        got.map_err(drv("cuMemHostGetDevicePointer"))?;
-        Ok(MemImpl::Cuda(mem))
+        // Plain page-locked memory first (with unified addressing it is mapped already, and it is
+        // what the host writes fastest); explicitly mapped memory where that has no device address.
+        match self.alloc_host_mapped(bytes, label, 0) {
+            Ok(mem) => Ok(mem),
+            Err(HalError::OutOfMemory { .. }) => Err(HalError::OutOfMemory { bytes, label: label.to_string() }),
+            Err(_) => {
+                self.alloc_host_mapped(bytes, label, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
+            }
+        }
     }
 
     fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()> {
