@@ -13,7 +13,7 @@ use crate::comm::CollectiveCall;
 use crate::cpu::{CpuComm, CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuPinned, CpuStream};
 #[cfg(feature = "cuda")]
 use crate::cuda::{CudaComm, CudaDevice, CudaEvent, CudaGraph, CudaKernel, CudaMem, CudaPinned, CudaStream};
-use crate::error::Result;
+use crate::error::{HalError, Result};
 use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
 #[cfg(feature = "rocm")]
 use crate::rocm::{RocmDevice, RocmEvent, RocmGraph, RocmKernel, RocmMem, RocmPinned, RocmStream};
@@ -83,6 +83,55 @@ pub(crate) enum DeviceImpl {
     Cuda(CudaDevice),
     #[cfg(feature = "rocm")]
     Rocm(RocmDevice),
+}
+
+/// The host side of a mapped allocation on a GPU backend: `bytes` of page-locked memory at `ptr`,
+/// valid while the owning handle lives (the owner frees it).
+pub(crate) struct HostRegion {
+    ptr: *mut u8,
+    bytes: usize,
+}
+// SAFETY: page-locked host memory is plain memory; every access goes through `write` / `read`,
+// which check the range.
+unsafe impl Send for HostRegion {}
+// SAFETY: as above.
+unsafe impl Sync for HostRegion {}
+
+impl HostRegion {
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `bytes` bytes for the life of the region.
+    pub(crate) unsafe fn new(ptr: *mut u8, bytes: usize) -> HostRegion {
+        HostRegion { ptr, bytes }
+    }
+    /// The start address (for freeing).
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn at(&self, offset: usize, len: usize) -> Result<*mut u8> {
+        match offset.checked_add(len) {
+            // SAFETY: `[offset, offset + len)` lies inside the region.
+            Some(end) if end <= self.bytes => Ok(unsafe { self.ptr.add(offset) }),
+            _ => Err(HalError::InvalidView { buffer: "mapped host memory".into(), offset, len, capacity: self.bytes }),
+        }
+    }
+    /// Copies `data` in at byte `offset`.
+    pub(crate) fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        let at = self.at(offset, data.len())?;
+        // SAFETY: in range (checked); `data` is ordinary host memory, not overlapping.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len()) };
+        Ok(())
+    }
+    /// Copies `out.len()` bytes out from byte `offset`.
+    pub(crate) fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let at = self.at(offset, out.len())?;
+        // SAFETY: in range (checked); `out` is ordinary host memory, not overlapping.
+        unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+    /// The region of a mapped allocation, or the error for device memory.
+    pub(crate) fn of(region: &Option<HostRegion>) -> Result<&HostRegion> {
+        region.as_ref().ok_or_else(|| HalError::Unsupported("host access to device memory".into()))
+    }
 }
 
 #[enum_dispatch]

@@ -34,8 +34,8 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaStream as CuStream, DriverError};
 
 use crate::backend::{
-    wrong_backend, DeviceImpl, DeviceOps, EventImpl, EventOps, GraphImpl, GraphOps, KernelImpl, LaunchArg, MemImpl,
-    MemOps, PinnedImpl, PinnedOps, StreamImpl, StreamOps,
+    wrong_backend, DeviceImpl, DeviceOps, EventImpl, EventOps, GraphImpl, GraphOps, HostRegion, KernelImpl, LaunchArg,
+    MemImpl, MemOps, PinnedImpl, PinnedOps, StreamImpl, StreamOps,
 };
 use crate::device::{BackendKind, DeviceInfo};
 use crate::error::{CaptureOp, HalError, Result};
@@ -129,9 +129,10 @@ impl CudaDevice {
             HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
             other => other,
         })?;
-        let mapped = MappedHost { ptr: host.cast(), bytes };
-        // SAFETY: fresh allocation of at least `bytes` bytes.
-        unsafe { std::ptr::write_bytes(mapped.ptr, 0, bytes) };
+        // SAFETY: fresh allocation of at least `bytes` bytes, freed only with the handle below.
+        let mapped = unsafe { HostRegion::new(host.cast(), bytes) };
+        // SAFETY: as above.
+        unsafe { std::ptr::write_bytes(mapped.ptr(), 0, bytes) };
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: `host` came from cuMemHostAlloc; out-parameter. On failure `mapped` is dropped
         // with the handle below, which frees it.
@@ -295,33 +296,7 @@ pub(crate) struct CudaMem {
     ctx: Arc<CudaContext>,
     ptr: sys::CUdeviceptr,
     /// The host side of a mapped allocation (`ptr` is then its device address).
-    mapped: Option<MappedHost>,
-}
-
-/// Page-locked host memory mapped into the device's address space.
-struct MappedHost {
-    ptr: *mut u8,
-    bytes: usize,
-}
-// SAFETY: page-locked host memory is plain memory; host accesses go through `host_write` /
-// `host_read`, bounds checked by the front end.
-unsafe impl Send for MappedHost {}
-// SAFETY: as above.
-unsafe impl Sync for MappedHost {}
-
-impl CudaMem {
-    fn host(&self, offset: usize, len: usize) -> Result<*mut u8> {
-        match &self.mapped {
-            Some(m) if offset.checked_add(len).is_some_and(|end| end <= m.bytes) => {
-                // SAFETY: in range (checked).
-                Ok(unsafe { m.ptr.add(offset) })
-            }
-            Some(m) => {
-                Err(HalError::InvalidView { buffer: "mapped host memory".into(), offset, len, capacity: m.bytes })
-            }
-            None => Err(HalError::Unsupported("host access to device memory".into())),
-        }
-    }
+    mapped: Option<HostRegion>,
 }
 
 impl MemOps for CudaMem {
@@ -329,16 +304,10 @@ impl MemOps for CudaMem {
         self.ptr
     }
     fn host_write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        let at = self.host(offset, data.len())?;
-        // SAFETY: in range; `data` is ordinary host memory, not overlapping.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len()) };
-        Ok(())
+        HostRegion::of(&self.mapped)?.write(offset, data)
     }
     fn host_read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        let at = self.host(offset, out.len())?;
-        // SAFETY: in range.
-        unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), out.len()) };
-        Ok(())
+        HostRegion::of(&self.mapped)?.read(offset, out)
     }
 }
 
@@ -349,7 +318,7 @@ impl Drop for CudaMem {
                 Some(m) => {
                     // SAFETY: allocated by `cuMemHostAlloc`, freed once; graphs that use it hold
                     // it alive.
-                    let _ = unsafe { result::free_host(m.ptr.cast()) };
+                    let _ = unsafe { result::free_host(m.ptr().cast()) };
                 }
                 None => {
                     // SAFETY: allocated by `cuMemAlloc`, freed once; graphs that use it hold it alive.

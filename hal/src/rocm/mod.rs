@@ -21,8 +21,8 @@ use std::sync::Arc;
 use cubecl_hip_sys as hip;
 
 use crate::backend::{
-    wrong_backend, DeviceImpl, DeviceOps, EventImpl, EventOps, GraphImpl, GraphOps, KernelImpl, LaunchArg, MemImpl,
-    MemOps, PinnedImpl, PinnedOps, StreamImpl, StreamOps,
+    wrong_backend, DeviceImpl, DeviceOps, EventImpl, EventOps, GraphImpl, GraphOps, HostRegion, KernelImpl, LaunchArg,
+    MemImpl, MemOps, PinnedImpl, PinnedOps, StreamImpl, StreamOps,
 };
 use crate::device::{BackendKind, DeviceInfo};
 use crate::error::{CaptureOp, HalError, Result};
@@ -144,9 +144,10 @@ impl DeviceOps for RocmDevice {
             HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
             other => other,
         })?;
-        let mapped = PinnedHost { ptr: host.cast(), bytes };
-        // SAFETY: fresh allocation of at least `bytes` bytes.
-        unsafe { std::ptr::write_bytes(mapped.ptr, 0, bytes) };
+        // SAFETY: fresh allocation of at least `bytes` bytes, freed only with the handle below.
+        let mapped = unsafe { HostRegion::new(host.cast(), bytes) };
+        // SAFETY: as above.
+        unsafe { std::ptr::write_bytes(mapped.ptr(), 0, bytes) };
         let mut ptr: *mut c_void = std::ptr::null_mut();
         // SAFETY: `host` came from hipHostMalloc with the mapped flag; out-parameter. On failure
         // `mapped` is dropped with the handle below, which frees it.
@@ -267,47 +268,33 @@ unsafe impl Sync for DevPtr {}
 pub(crate) struct RocmMem {
     dev: Ordinal,
     ptr: DevPtr,
-    /// The host side of a mapped allocation (`ptr` is then its device address); freed by its
-    /// own drop.
-    mapped: Option<PinnedHost>,
-}
-impl RocmMem {
-    fn host(&self, offset: usize, len: usize) -> Result<*mut u8> {
-        match &self.mapped {
-            Some(m) if offset.checked_add(len).is_some_and(|end| end <= m.bytes) => {
-                // SAFETY: in range (checked).
-                Ok(unsafe { m.ptr.add(offset) })
-            }
-            Some(m) => {
-                Err(HalError::InvalidView { buffer: "mapped host memory".into(), offset, len, capacity: m.bytes })
-            }
-            None => Err(HalError::Unsupported("host access to device memory".into())),
-        }
-    }
+    /// The host side of a mapped allocation (`ptr` is then its device address).
+    mapped: Option<HostRegion>,
 }
 impl MemOps for RocmMem {
     fn addr(&self) -> u64 {
         self.ptr.0 as u64
     }
     fn host_write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        let at = self.host(offset, data.len())?;
-        // SAFETY: in range; no overlap with host slices.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), at, data.len()) };
-        Ok(())
+        HostRegion::of(&self.mapped)?.write(offset, data)
     }
     fn host_read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        let at = self.host(offset, out.len())?;
-        // SAFETY: in range.
-        unsafe { std::ptr::copy_nonoverlapping(at, out.as_mut_ptr(), out.len()) };
-        Ok(())
+        HostRegion::of(&self.mapped)?.read(offset, out)
     }
 }
 impl Drop for RocmMem {
     fn drop(&mut self) {
-        // A mapped allocation is freed by its `PinnedHost`.
-        if self.mapped.is_none() && self.dev.bind().is_ok() {
-            // SAFETY: allocated by hipMalloc, freed once; graphs that use it hold it alive.
-            unsafe { hip::hipFree(self.ptr.0) };
+        match self.mapped.take() {
+            Some(m) => {
+                // SAFETY: allocated by hipHostMalloc, freed once; graphs that use it hold it alive.
+                unsafe { hip::hipHostFree(m.ptr().cast()) };
+            }
+            None => {
+                if self.dev.bind().is_ok() {
+                    // SAFETY: allocated by hipMalloc, freed once; graphs that use it hold it alive.
+                    unsafe { hip::hipFree(self.ptr.0) };
+                }
+            }
         }
     }
 }
