@@ -402,8 +402,9 @@ impl ModelForward {
     }
 
     /// Stages the host data of the next step for `t` token rows (its padded size, as dispatched)
-    /// into the pinned inputs; the next real [`Forward::prepare`] checks it was staged for its
-    /// size. The caller must have waited for the previous step (its uploads read the same memory).
+    /// into the mapped inputs; the next real [`Forward::prepare`] checks it was staged for its
+    /// size. The caller must have waited for the previous step (its kernels read the same memory
+    /// in place, up to the sampler at its end).
     pub fn stage_step(&mut self, step: &Step, t: usize) -> Result<()> {
         self.staged = None;
         self.stage(t, Some(step))?;

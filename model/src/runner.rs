@@ -333,7 +333,7 @@ impl ModelRunner {
         let rows = step.num_sampling();
         debug_assert!(rows <= sample_rows(d.descriptor.num_tokens as usize, limits.max_num_seqs));
         // Reading the tokens waits for the step (also when it samples nothing): the next step
-        // stages its inputs into the same pinned memory the step's uploads read.
+        // stages its inputs into the same mapped memory the step's kernels read in place.
         let tokens = self.runner.forward().read_tokens(&self.stream, rows)?;
         if rows == 0 {
             self.stream.synchronize()?;

@@ -138,7 +138,11 @@ impl DeviceOps for RocmDevice {
         let mut host: *mut c_void = std::ptr::null_mut();
         // SAFETY: out-parameter; page-locked and mapped, owned by the returned handle.
         check("hipHostMalloc", unsafe {
-            hip::hipHostMalloc(&mut host, bytes.max(8), hip::hipHostMallocMapped | hip::hipHostMallocPortable)
+            hip::hipHostMalloc(
+                &mut host,
+                bytes.max(8),
+                hip::hipHostMallocMapped | hip::hipHostMallocPortable | hip::hipHostMallocCoherent,
+            )
         })
         .map_err(|e| match e {
             HalError::OutOfMemory { .. } => HalError::OutOfMemory { bytes, label: label.to_string() },
