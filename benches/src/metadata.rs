@@ -4,7 +4,9 @@
 //! events around the eager calls (so the host's enqueue gaps count), and from a graph of them
 //! replayed with a fresh step staged each time (the device work alone; the row that carries the
 //! bytes and the target). In the graph the c128a and c4a builds run on branches forked after the
-//! upload, concurrently with the SWA build.
+//! upload, concurrently with the SWA build. Two more graphs time its parts: the upload alone, and
+//! the upload with the c128a build (the critical path; the rest of the step is what the SWA and
+//! c4a builds beside it add).
 //!
 //! The block tables live on the device (written once per request): a steady decode step stages
 //! each request's next token and appends a block to a table only when that token starts one. The
@@ -64,6 +66,17 @@ pub fn step_bytes(input: &StepInput<'_>, cfg: &CommonConfig) -> u64 {
     bytes
 }
 
+/// Which parts of a step a graph holds: the upload always, then the builds named.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Parts {
+    /// The upload and the three builds (the row with the target).
+    All,
+    /// The upload alone.
+    Upload,
+    /// The upload and the c128a build (the critical path of `All`).
+    UploadC128a,
+}
+
 /// The three builders of a step, the top-k rows the c4a one reads, and two side streams.
 struct Builds<'a> {
     swa: &'a SwaBuilder,
@@ -74,23 +87,32 @@ struct Builds<'a> {
 }
 
 impl Builds<'_> {
-    /// Upload of the staged step, then the three builds. While `s` captures, the c128a and c4a
-    /// builds go on branches forked after the upload and joined at the end, so the graph runs
+    /// Upload of the staged step, then the builds of `parts`. While `s` captures, the c128a and
+    /// c4a builds go on branches forked after the upload and joined at the end, so the graph runs
     /// the three concurrently (they only share the uploaded inputs); eagerly all run on `s`.
-    fn enqueue(&self, s: &Stream, common: &CommonAttentionMetadata) -> Result<()> {
+    fn enqueue(&self, s: &Stream, common: &CommonAttentionMetadata, parts: Parts) -> Result<()> {
         common.upload(s)?;
+        if parts == Parts::Upload {
+            return Ok(());
+        }
         let forked = s.is_capturing();
         let [a, b] = if forked { self.side } else { [s, s] };
         if forked {
             s.fork_capture(a)?;
-            s.fork_capture(b)?;
         }
         self.c128a.build(a, common)?;
-        self.c4a.build(b, common, self.topk)?;
-        self.swa.build(s, common)?;
+        if parts == Parts::All {
+            if forked {
+                s.fork_capture(b)?;
+            }
+            self.c4a.build(b, common, self.topk)?;
+            self.swa.build(s, common)?;
+            if forked {
+                s.join_capture(b)?;
+            }
+        }
         if forked {
             s.join_capture(a)?;
-            s.join_capture(b)?;
         }
         Ok(())
     }
@@ -105,6 +127,7 @@ fn replayed(
     common: &mut CommonAttentionMetadata,
     batch: &mut DecodeBatch,
     builds: &Builds<'_>,
+    parts: Parts,
     steps: usize,
 ) -> Result<(Vec<f64>, Vec<f64>)> {
     let s = &ctx.s;
@@ -115,12 +138,12 @@ fn replayed(
     };
     batch.advance(0, common)?;
     stage(common, batch)?;
-    builds.enqueue(s, common)?;
+    builds.enqueue(s, common, parts)?;
     s.synchronize()?;
     batch.advance(0, common)?;
     stage(common, batch)?;
     s.begin_capture("metadata step")?;
-    builds.enqueue(s, common)?;
+    builds.enqueue(s, common, parts)?;
     let graph = s.end_capture()?;
     // Capture ran nothing: the staged step runs in the first replay.
     graph.replay(s)?;
@@ -291,7 +314,8 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
                         .with_note("events around the eager upload and builds (includes host enqueue gaps)"),
                 );
                 let builds = Builds { swa: &swa, c128a: &c128a, c4a: &c4a, topk: &tv, side: [&side[0], &side[1]] };
-                let (mut graph_us, mut graph_host) = replayed(ctx, &mut common, &mut batch, &builds, steps)?;
+                let (mut graph_us, mut graph_host) =
+                    replayed(ctx, &mut common, &mut batch, &builds, Parts::All, steps)?;
                 let host_us = median(&mut graph_host);
                 out.push(
                     Row::timed(SECTION, format!("stage + graph launch, host, rows={rows}"), host_us, steps)
@@ -319,6 +343,20 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
                     r = r.with_target(Target::FractionAtLeast(0.5));
                 }
                 out.push(r);
+                // Its parts: the upload alone, and the upload with the c128a build (the
+                // critical path; the rest is what the SWA and c4a builds beside it add).
+                for (parts, what) in [(Parts::Upload, "upload"), (Parts::UploadC128a, "upload + c128a build")] {
+                    let (mut us, _) = replayed(ctx, &mut common, &mut batch, &builds, parts, steps)?;
+                    out.push(
+                        Row::timed(
+                            SECTION,
+                            format!("{what}, graph replay, device, rows={rows}"),
+                            median(&mut us),
+                            steps,
+                        )
+                        .with_note("a part of the row above, in a graph of its own"),
+                    );
+                }
             }
         }
     }
@@ -329,6 +367,63 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
 mod tests {
     use super::*;
     use holdfast_attention::BlockTableUpdates;
+    use holdfast_hal::Device;
+
+    #[test]
+    fn every_part_of_the_step_graph_replays_as_its_eager_enqueue() -> Result<()> {
+        let dev = Device::cpu()?;
+        let s = dev.create_stream()?;
+        let table = |bs: usize| BlockTableConfig { block_size: bs, max_blocks_per_seq: 4096 / bs, num_blocks: 512 };
+        let (swa_table, kv_table) = (table(64), table(256));
+        let cfg = CommonConfig {
+            max_num_batched_tokens: 8,
+            max_num_seqs: 8,
+            max_model_len: 4096,
+            num_spec_tokens: 0,
+            swa_table,
+            kv_table,
+            max_table_updates: 8 * (swa_table.max_blocks_per_seq + kv_table.max_blocks_per_seq),
+        };
+        let mut common = CommonAttentionMetadata::new(&dev, cfg)?;
+        let (swa, c128a, c4a) =
+            (SwaBuilder::new(&dev, &cfg, WINDOW)?, C128aBuilder::new(&dev, &cfg)?, C4aBuilder::new(&dev, &cfg, 8)?);
+        let topk: Buffer<i32> =
+            dev.alloc_from_slice("topk", &(0..64).map(|i| i % 9 - 1).collect::<Vec<i32>>(), true)?;
+        let tv = topk.view();
+        let side = [dev.create_stream()?, dev.create_stream()?];
+        let builds = Builds { swa: &swa, c128a: &c128a, c4a: &c4a, topk: &tv, side: [&side[0], &side[1]] };
+        let mut batch = DecodeBatch::new(cfg, 11, 8);
+        batch.fill(&mut common, &s)?;
+        for parts in [Parts::All, Parts::Upload, Parts::UploadC128a] {
+            batch.advance(0, &mut common)?;
+            common.stage(&batch.input())?;
+            common.apply_bulk_table_updates(&s)?;
+            builds.enqueue(&s, &common, parts)?;
+            // The same views every build hands out.
+            let dense = c128a.build(&s, &common)?.decode.map(|d| d.indices);
+            let want = (
+                s.copy_to_host_sync(&common.positions()?)?,
+                dense.as_ref().map(|v| s.copy_to_host_sync(v)).transpose()?,
+            );
+            s.begin_capture("parts")?;
+            builds.enqueue(&s, &common, parts)?;
+            let g = s.end_capture()?;
+            c128a.fill_outputs(&s, -7)?;
+            g.replay(&s)?;
+            s.synchronize()?;
+            let got = s.copy_to_host_sync(&common.positions()?)?;
+            assert_eq!(got, want.0, "{parts:?}: uploaded positions");
+            if let (Some(v), Some(w)) = (dense.as_ref(), want.1.as_ref()) {
+                let got = s.copy_to_host_sync(v)?;
+                if parts == Parts::Upload {
+                    assert!(got.iter().all(|&x| x == -7), "{parts:?}: no c128a build");
+                } else {
+                    assert_eq!(&got, w, "{parts:?}: c128a rows");
+                }
+            }
+        }
+        Ok(())
+    }
 
     #[test]
     fn step_bytes_follow_the_builders_layout() {

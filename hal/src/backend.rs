@@ -13,7 +13,7 @@ use crate::comm::CollectiveCall;
 use crate::cpu::{CpuComm, CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuPinned, CpuStream};
 #[cfg(feature = "cuda")]
 use crate::cuda::{CudaComm, CudaDevice, CudaEvent, CudaGraph, CudaKernel, CudaMem, CudaPinned, CudaStream};
-use crate::error::{HalError, Result};
+use crate::error::Result;
 use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
 #[cfg(feature = "rocm")]
 use crate::rocm::{RocmDevice, RocmEvent, RocmGraph, RocmKernel, RocmMem, RocmPinned, RocmStream};
@@ -87,16 +87,20 @@ pub(crate) enum DeviceImpl {
 
 /// The host side of a mapped allocation on a GPU backend: `bytes` of page-locked memory at `ptr`,
 /// valid while the owning handle lives (the owner frees it).
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 pub(crate) struct HostRegion {
     ptr: *mut u8,
     bytes: usize,
 }
 // SAFETY: page-locked host memory is plain memory; every access goes through `write` / `read`,
 // which check the range.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 unsafe impl Send for HostRegion {}
 // SAFETY: as above.
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 unsafe impl Sync for HostRegion {}
 
+#[cfg(any(feature = "cuda", feature = "rocm"))]
 impl HostRegion {
     /// # Safety
     /// `ptr` must be valid for reads and writes of `bytes` bytes for the life of the region.
@@ -111,7 +115,12 @@ impl HostRegion {
         match offset.checked_add(len) {
             // SAFETY: `[offset, offset + len)` lies inside the region.
             Some(end) if end <= self.bytes => Ok(unsafe { self.ptr.add(offset) }),
-            _ => Err(HalError::InvalidView { buffer: "mapped host memory".into(), offset, len, capacity: self.bytes }),
+            _ => Err(crate::error::HalError::InvalidView {
+                buffer: "mapped host memory".into(),
+                offset,
+                len,
+                capacity: self.bytes,
+            }),
         }
     }
     /// Copies `data` in at byte `offset`.
@@ -130,7 +139,7 @@ impl HostRegion {
     }
     /// The region of a mapped allocation, or the error for device memory.
     pub(crate) fn of(region: &Option<HostRegion>) -> Result<&HostRegion> {
-        region.as_ref().ok_or_else(|| HalError::Unsupported("host access to device memory".into()))
+        region.as_ref().ok_or_else(|| crate::error::HalError::Unsupported("host access to device memory".into()))
     }
 }
 
