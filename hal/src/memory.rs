@@ -423,8 +423,9 @@ impl<T: Element> MappedBuffer<T> {
     pub fn buffer(&self) -> &Buffer<T> {
         &self.buf
     }
-    /// Writes `data` at element `offset` (a host-side memcpy; no stream involved).
-    pub fn write(&self, offset: usize, data: &[T]) -> Result<()> {
+    /// Writes `data` at element `offset` (a host-side memcpy; no stream involved). Takes the
+    /// buffer mutably, so host writes never race each other.
+    pub fn write(&mut self, offset: usize, data: &[T]) -> Result<()> {
         let size = T::DTYPE.size();
         self.check(offset, data.len())?;
         self.inner()?.host_write(offset * size, bytemuck::cast_slice(data))?;

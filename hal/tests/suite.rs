@@ -489,7 +489,7 @@ fn mapped_host_memory_is_used_in_place(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let n = 300;
     let pinned_before = dev.stats().pinned_bytes;
-    let m = dev.alloc_mapped::<f32>("step.staging", n).expect("mapped");
+    let mut m = dev.alloc_mapped::<f32>("step.staging", n).expect("mapped");
     assert_eq!(dev.stats().pinned_bytes, pinned_before + 4 * n as u64, "counted as pinned memory");
     assert_eq!(m.read(0, n).expect("read"), vec![0.0; n], "zero-filled");
     let out = dev.alloc_persistent::<f32>("out", n).expect("out");
