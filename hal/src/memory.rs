@@ -426,28 +426,21 @@ impl<T: Element> MappedBuffer<T> {
     /// Writes `data` at element `offset` (a host-side memcpy; no stream involved). Takes the
     /// buffer mutably, so host writes never race each other.
     pub fn write(&mut self, offset: usize, data: &[T]) -> Result<()> {
-        let size = T::DTYPE.size();
-        self.check(offset, data.len())?;
-        self.inner()?.host_write(offset * size, bytemuck::cast_slice(data))?;
+        self.buf.slice(offset, data.len())?;
+        self.inner()?.host_write(offset * T::DTYPE.size(), bytemuck::cast_slice(data))?;
         self.buf.alloc.bump_host_gen();
         Ok(())
     }
     /// Reads `len` elements from element `offset` (a host-side memcpy; the caller ensures no
     /// enqueued work still writes the range).
     pub fn read(&self, offset: usize, len: usize) -> Result<Vec<T>> {
-        self.check(offset, len)?;
+        self.buf.slice(offset, len)?;
         let mut out = vec![T::default(); len];
         self.inner()?.host_read(offset * T::DTYPE.size(), bytemuck::cast_slice_mut(&mut out))?;
         Ok(out)
     }
     fn inner(&self) -> Result<&MemImpl> {
         self.buf.alloc.inner.as_ref().ok_or_else(|| HalError::Unsupported("mapped buffer already released".into()))
-    }
-    fn check(&self, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(()),
-            _ => Err(HalError::InvalidView { buffer: self.label().to_string(), offset, len, capacity: self.len() }),
-        }
     }
 }
 

@@ -86,6 +86,22 @@ impl CpuCore {
         }
         Ok((a.clone(), (addr - a.base) as usize))
     }
+
+    /// Writes `data` at `addr` (one live allocation); `op` names the operation in the error.
+    fn write(&self, addr: u64, data: &[u8], op: &str) -> Result<()> {
+        let (a, off) = self.resolve(addr, data.len()).map_err(|why| bad_addr(op, "dst", addr, data.len(), why))?;
+        let mut d = lock(&a.data);
+        bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + data.len()].copy_from_slice(data);
+        Ok(())
+    }
+
+    /// Reads `out.len()` bytes at `addr` (one live allocation); `op` names the operation.
+    fn read(&self, addr: u64, out: &mut [u8], op: &str) -> Result<()> {
+        let (a, off) = self.resolve(addr, out.len()).map_err(|why| bad_addr(op, "src", addr, out.len(), why))?;
+        let d = lock(&a.data);
+        out.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&d)[off..off + out.len()]);
+        Ok(())
+    }
 }
 
 /// The CPU device.
@@ -138,11 +154,7 @@ impl DeviceOps for CpuDevice {
     }
 
     fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()> {
-        let (a, off) =
-            self.core.resolve(addr, data.len()).map_err(|why| bad_addr("upload", "dst", addr, data.len(), why))?;
-        let mut d = lock(&a.data);
-        bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + data.len()].copy_from_slice(data);
-        Ok(())
+        self.core.write(addr, data, "upload")
     }
 
     fn alloc_pinned(&self, bytes: usize) -> Result<PinnedImpl> {
@@ -188,20 +200,10 @@ impl MemOps for CpuMem {
     }
     // Every allocation of the emulator is host memory; only mapped ones are reached from here.
     fn host_write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        let at = self.base + offset as u64;
-        let (a, off) =
-            self.core.resolve(at, data.len()).map_err(|why| bad_addr("host write", "dst", at, data.len(), why))?;
-        let mut d = lock(&a.data);
-        bytemuck::cast_slice_mut::<u64, u8>(&mut d)[off..off + data.len()].copy_from_slice(data);
-        Ok(())
+        self.core.write(self.base + offset as u64, data, "host write")
     }
     fn host_read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        let at = self.base + offset as u64;
-        let (a, off) =
-            self.core.resolve(at, out.len()).map_err(|why| bad_addr("host read", "src", at, out.len(), why))?;
-        let d = lock(&a.data);
-        out.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&d)[off..off + out.len()]);
-        Ok(())
+        self.core.read(self.base + offset as u64, out, "host read")
     }
 }
 
@@ -364,13 +366,7 @@ impl StreamOps for CpuStream {
     }
 
     fn copy_d2h_sync(&self, src: u64, dst: &mut [u8]) -> Result<()> {
-        let (a, off) = self
-            .core
-            .resolve(src, dst.len())
-            .map_err(|why| bad_addr("copy_to_host_sync", "src", src, dst.len(), why))?;
-        let d = lock(&a.data);
-        dst.copy_from_slice(&bytemuck::cast_slice::<u64, u8>(&d)[off..off + dst.len()]);
-        Ok(())
+        self.core.read(src, dst, "copy_to_host_sync")
     }
 
     fn synchronize(&self) -> Result<()> {
