@@ -317,16 +317,9 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
             }
         }
     }
-    // Leave: the last block clears the status words and the counters. Thread 0 made every status
-    // and counter write of its block; its fence orders them before its count of the finished
-    // blocks, and the last block's fence orders every block's writes before its zeros.
-    if (threadIdx.x == 0) {
-        __threadfence();
-        s_last = atomicAdd(&sync[1], 1u) == gridDim.x - 1u;
-        if (s_last) __threadfence();
-    }
-    __syncthreads();
-    if (s_last) {
+    // Leave: the last block clears the status words and the counters, after every block's
+    // status and ticket writes (so no late status word outlives the reset).
+    if (hf_block_arrives_last(&sync[1], gridDim.x, &s_last)) {
         for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) status[i] = 0u;
         if (threadIdx.x == 0) {
             sync[0] = 0u;

@@ -164,6 +164,32 @@ __device__ __forceinline__ void hf_acquire_until_u32(const uint32_t* counter, ui
 #endif
 }
 
+// Called by every thread of a block: publishes what the block wrote (as
+// hf_block_release_add_u32), counts the block on `counter`, and returns true in every thread of
+// the block that arrives last of `blocks`, whose later reads and writes are ordered after every
+// counted block's writes. No block waits, so the grid need not be resident at once. `flag` is a
+// shared word of the caller's. NVIDIA sm_70+: one atom.acq_rel.gpu by thread 0; elsewhere fences
+// around a plain atomic.
+__device__ __forceinline__ bool hf_block_arrives_last(uint32_t* counter, uint32_t blocks, uint32_t* flag) {
+#if defined(HF_RELEASE_ACQUIRE)
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t old;
+        asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
+        *flag = old == blocks - 1u;
+    }
+#else
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *flag = atomicAdd(counter, 1u) == blocks - 1u;
+        if (*flag) __threadfence();
+    }
+#endif
+    __syncthreads();
+    return *flag != 0u;
+}
+
 // Programmatic dependent launch (Stream::launch_dependent): hf_grid_dependency_wait() returns once
 // every kernel launched before this one on its stream has finished and its writes are visible;
 // hf_grid_dependents_launch() lets the next dependent launch begin early. No-ops where the device
