@@ -17,6 +17,7 @@ use crate::error::Result;
 use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
 #[cfg(feature = "rocm")]
 use crate::rocm::{RocmDevice, RocmEvent, RocmGraph, RocmKernel, RocmMem, RocmPinned, RocmStream};
+use crate::stream::StreamPriority;
 
 /// A launch argument reduced to its value: what a recorded CPU launch keeps.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -69,7 +70,8 @@ pub(crate) trait DeviceOps {
     /// Allocates `bytes` of zero-filled page-locked host memory mapped into the device's address
     /// space (kernels and copies use its [`MemOps::addr`]; the host writes it in place).
     fn alloc_mapped(&self, bytes: usize, label: &str) -> Result<MemImpl>;
-    fn create_stream(&self) -> Result<StreamImpl>;
+    /// Creates an in-order non-blocking stream whose kernels are scheduled at `priority`.
+    fn create_stream(&self, priority: StreamPriority) -> Result<StreamImpl>;
     fn create_event(&self) -> Result<EventImpl>;
     /// Compiles every entry of `src`, in order.
     fn compile(&self, src: &KernelSource) -> Result<Vec<KernelImpl>>;

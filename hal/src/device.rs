@@ -11,7 +11,7 @@ use crate::dtype::Element;
 use crate::error::{CaptureOp, HalError, Result};
 use crate::kernel::{Kernel, KernelSource, Module};
 use crate::memory::{Allocation, Buffer, MappedBuffer, MemStats, PinnedAlloc, PinnedBuffer};
-use crate::stream::{Event, Stream};
+use crate::stream::{Event, Stream, StreamPriority};
 
 /// Which backend a device runs on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -350,9 +350,15 @@ impl Device {
         Ok(MappedBuffer::from_alloc(alloc, len))
     }
 
-    /// Creates an in-order stream (never the legacy default stream).
+    /// Creates an in-order stream (never the legacy default stream) at the default priority.
     pub fn create_stream(&self) -> Result<Stream> {
-        Ok(Stream::new(self.shared.clone(), self.shared.inner.create_stream()?))
+        self.create_stream_with_priority(StreamPriority::Normal)
+    }
+
+    /// Creates an in-order stream whose kernels are scheduled at `priority` (see
+    /// [`StreamPriority`]): e.g. the branch of a captured step that is its critical path.
+    pub fn create_stream_with_priority(&self, priority: StreamPriority) -> Result<Stream> {
+        Ok(Stream::new(self.shared.clone(), self.shared.inner.create_stream(priority)?, priority))
     }
 
     /// Creates a timing-capable event.

@@ -79,4 +79,4 @@ pub use kernel::{
     PORTABILITY_HEADER,
 };
 pub use memory::{Buffer, MappedBuffer, MemStats, PinnedBuffer, RawView, View};
-pub use stream::{Event, Stream};
+pub use stream::{Event, Stream, StreamPriority};

@@ -16,11 +16,29 @@ use crate::graph::Graph;
 use crate::kernel::{check_args, Arg, Kernel, LaunchConfig};
 use crate::memory::{PinnedBuffer, RawView, View};
 
+/// How a stream's kernels are scheduled against other streams' kernels on the device.
+///
+/// The device starts the pending blocks of higher-priority kernels before those of lower-priority
+/// ones as resources free up (running blocks are never preempted), so a kernel on the critical
+/// path of concurrent branches can be given the device first. A priority changes when work runs,
+/// never what it computes. A captured graph's kernels keep the priority of the stream that
+/// captured them, whatever stream replays the graph. The CPU emulator runs every stream in order
+/// and ignores it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum StreamPriority {
+    /// The device's default (lowest) priority.
+    #[default]
+    Normal,
+    /// The device's greatest priority.
+    High,
+}
+
 /// An in-order queue of device work.
 pub struct Stream {
     pub(crate) device: Arc<DeviceShared>,
     pub(crate) inner: Arc<StreamImpl>,
     id: u64,
+    priority: StreamPriority,
     capture: Mutex<CaptureState>,
 }
 
@@ -37,14 +55,19 @@ impl Drop for Stream {
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Stream(device {}, {:?})", self.device.id, self.capture_status())
+        write!(f, "Stream(device {}, {:?}, {:?})", self.device.id, self.priority, self.capture_status())
     }
 }
 
 impl Stream {
-    pub(crate) fn new(device: Arc<DeviceShared>, inner: StreamImpl) -> Self {
+    pub(crate) fn new(device: Arc<DeviceShared>, inner: StreamImpl, priority: StreamPriority) -> Self {
         let id = device.next_id();
-        Stream { device, inner: Arc::new(inner), id, capture: Mutex::new(CaptureState::Idle) }
+        Stream { device, inner: Arc::new(inner), id, priority, capture: Mutex::new(CaptureState::Idle) }
+    }
+
+    /// The priority the stream was created with.
+    pub fn priority(&self) -> StreamPriority {
+        self.priority
     }
 
     /// The id of the device this stream belongs to.

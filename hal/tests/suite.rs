@@ -3,7 +3,9 @@
 //! skip line when no CUDA driver or device is present).
 
 use holdfast_hal::demo_kernels;
-use holdfast_hal::{bf16, Arg, CaptureOp, CaptureStatus, Device, HalError, Kernel, LaunchConfig, Module, Stream};
+use holdfast_hal::{
+    bf16, Arg, CaptureOp, CaptureStatus, Device, HalError, Kernel, LaunchConfig, Module, Stream, StreamPriority,
+};
 
 fn module(dev: &Device) -> Module {
     dev.compile(demo_kernels::source()).expect("demo kernels compile")
@@ -399,6 +401,43 @@ fn a_forked_capture_replays_both_branches_in_order(dev: &Device) {
     side.synchronize().expect("sync");
 }
 
+/// A high-priority stream is an ordinary stream that the device schedules first: eager work on
+/// it, a capture whose branch it is, and a replay into it all compute what the default priority
+/// does.
+fn a_high_priority_branch_runs_and_replays_like_any_other(dev: &Device) {
+    let n = 777;
+    let s = dev.create_stream().expect("stream");
+    let hi = dev.create_stream_with_priority(StreamPriority::High).expect("high-priority stream");
+    assert_eq!((s.priority(), hi.priority()), (StreamPriority::Normal, StreamPriority::High));
+    assert!(format!("{hi:?}").contains("High"), "{hi:?}");
+    let bufs = ["x", "a", "b", "c", "out"].map(|f| dev.alloc_zeroed(&format!("prio.{f}"), n, true).expect("buffer"));
+    // Eagerly on the high-priority stream alone.
+    let x = seq(n, 0.5);
+    hi.copy_from_host(&x, &bufs[0].view()).expect("x");
+    hi.launch(
+        &kernel(dev, "hf_scale"),
+        cfg(n),
+        &[(&bufs[0]).into(), (&bufs[1]).into(), 4.0f32.into(), (n as u32).into()],
+    )
+    .expect("eager launch");
+    let got = hi.copy_to_host_sync(&bufs[1].view()).expect("read");
+    assert_eq!(got, x.iter().map(|v| 4.0 * v).collect::<Vec<f32>>(), "eager work on a high-priority stream");
+    // Captured with the high-priority stream as the forked branch; replayed into either stream.
+    s.begin_capture("prioritised branch").expect("begin");
+    forked_step(dev, &s, &hi, &bufs, true);
+    let g = s.end_capture().expect("end");
+    assert_eq!(g.op_count(), 4);
+    for (step, on) in [&s, &hi, &s].into_iter().enumerate() {
+        let x = seq(n, step as f32 - 1.5);
+        on.copy_from_host(&x, &bufs[0].view()).expect("x");
+        on.copy_from_host(&vec![f32::NAN; n], &bufs[4].view()).expect("poison");
+        g.replay(on).expect("replay");
+        let got = on.copy_to_host_sync(&bufs[4].view()).expect("read");
+        let want: Vec<f32> = x.iter().map(|v| 3.0 * (2.0 * v) + (v + v)).collect();
+        assert_eq!(got, want, "replay {step} into a {:?} stream", on.priority());
+    }
+}
+
 fn fork_and_join_misuse_is_a_precise_error_that_changes_nothing(dev: &Device) {
     let (s, side, third) =
         (dev.create_stream().expect("s"), dev.create_stream().expect("side"), dev.create_stream().expect("third"));
@@ -547,6 +586,7 @@ holdfast_hal::device_suite!(
     events_time_device_work,
     modules_are_compiled_once_per_device,
     a_forked_capture_replays_both_branches_in_order,
+    a_high_priority_branch_runs_and_replays_like_any_other,
     fork_and_join_misuse_is_a_precise_error_that_changes_nothing,
     dependent_launches_keep_their_order,
     mapped_host_memory_is_used_in_place,

@@ -38,6 +38,7 @@ use crate::backend::{
 use crate::device::{lock, BackendKind, DeviceInfo};
 use crate::error::{HalError, Result};
 use crate::kernel::{Arg, CpuKernelFn, KernelEntry, KernelSource, LaunchConfig};
+use crate::stream::StreamPriority;
 
 const ADDRESS_BASE: u64 = 0x7000_0000_0000;
 const ALIGN: u64 = 256;
@@ -167,7 +168,8 @@ impl DeviceOps for CpuDevice {
         Ok(mem)
     }
 
-    fn create_stream(&self) -> Result<StreamImpl> {
+    /// The emulator runs every stream's work in its enqueue order: a priority changes nothing.
+    fn create_stream(&self, _priority: StreamPriority) -> Result<StreamImpl> {
         Ok(StreamImpl::Cpu(CpuStream { core: self.core.clone(), recording: Mutex::new(None) }))
     }
 

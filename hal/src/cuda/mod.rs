@@ -40,6 +40,7 @@ use crate::backend::{
 use crate::device::{BackendKind, DeviceInfo};
 use crate::error::{CaptureOp, HalError, Result};
 use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
+use crate::stream::StreamPriority;
 
 fn drv(call: &'static str) -> impl Fn(DriverError) -> HalError {
     move |e| match e.0 {
@@ -184,8 +185,16 @@ impl DeviceOps for CudaDevice {
         Ok(PinnedImpl::Cuda(CudaPinned(Arc::new(PinnedHost { ctx: self.ctx.clone(), ptr: ptr.cast(), bytes }))))
     }
 
-    fn create_stream(&self) -> Result<StreamImpl> {
-        let stream = self.ctx.new_stream().map_err(drv("cuStreamCreate"))?;
+    fn create_stream(&self, priority: StreamPriority) -> Result<StreamImpl> {
+        let stream = match priority {
+            StreamPriority::Normal => self.ctx.new_stream().map_err(drv("cuStreamCreate"))?,
+            StreamPriority::High => {
+                self.bind()?;
+                // (least, greatest): the greatest priority is the numerically lowest value.
+                let (_, greatest) = result::stream::get_priority_range().map_err(drv("cuCtxGetStreamPriorityRange"))?;
+                self.ctx.new_stream_with_priority(greatest).map_err(drv("cuStreamCreateWithPriority"))?
+            }
+        };
         Ok(StreamImpl::Cuda(CudaStream { ctx: self.ctx.clone(), stream, dependent_launch: self.sm_major >= 9 }))
     }
 
@@ -543,9 +552,11 @@ impl StreamOps for CudaStream {
             // An empty capture replays as a no-op (the driver does not instantiate empty graphs).
             return Ok(GraphImpl::Cuda(CudaGraph { handles: g, nodes }));
         }
+        // Its kernels keep the priorities of the streams that captured them (copied into the
+        // nodes during capture).
+        let flags = sys::CUgraphInstantiate_flags::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY;
         // SAFETY: `graph` is a complete captured graph.
-        g.exec = unsafe { result::graph::instantiate(graph, sys::CUgraphInstantiate_flags(0)) }
-            .map_err(drv("cuGraphInstantiateWithFlags"))?;
+        g.exec = unsafe { result::graph::instantiate(graph, flags) }.map_err(drv("cuGraphInstantiateWithFlags"))?;
         // SAFETY: fresh executable graph, uploaded on the capturing stream.
         unsafe { result::graph::upload(g.exec, stream) }.map_err(drv("cuGraphUpload"))?;
         Ok(GraphImpl::Cuda(CudaGraph { handles: g, nodes }))

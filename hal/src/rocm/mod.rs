@@ -27,6 +27,7 @@ use crate::backend::{
 use crate::device::{BackendKind, DeviceInfo};
 use crate::error::{CaptureOp, HalError, Result};
 use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
+use crate::stream::StreamPriority;
 
 /// Why the ROCm backend is unusable on this machine, or `None` if HIP and hipRTC load.
 pub fn unavailable_reason() -> Option<String> {
@@ -116,7 +117,7 @@ impl RocmDevice {
             warp_size: warp,
             max_shared_mem_per_block: u32::try_from(prop.sharedMemPerBlock).unwrap_or(u32::MAX),
         };
-        let upload = Arc::new(StreamHandle::new(dev)?);
+        let upload = Arc::new(StreamHandle::new(dev, StreamPriority::Normal)?);
         Ok((DeviceImpl::Rocm(RocmDevice { dev, arch, warp, upload }), info))
     }
 }
@@ -181,8 +182,8 @@ impl DeviceOps for RocmDevice {
         Ok(PinnedImpl::Rocm(RocmPinned(Arc::new(PinnedHost { ptr: ptr.cast(), bytes }))))
     }
 
-    fn create_stream(&self) -> Result<StreamImpl> {
-        Ok(StreamImpl::Rocm(RocmStream { dev: self.dev, stream: Arc::new(StreamHandle::new(self.dev)?) }))
+    fn create_stream(&self, priority: StreamPriority) -> Result<StreamImpl> {
+        Ok(StreamImpl::Rocm(RocmStream { dev: self.dev, stream: Arc::new(StreamHandle::new(self.dev, priority)?) }))
     }
 
     fn create_event(&self) -> Result<EventImpl> {
@@ -340,11 +341,28 @@ unsafe impl Send for StreamHandle {}
 // SAFETY: as above.
 unsafe impl Sync for StreamHandle {}
 impl StreamHandle {
-    fn new(dev: Ordinal) -> Result<Self> {
+    fn new(dev: Ordinal, priority: StreamPriority) -> Result<Self> {
         dev.bind()?;
         let mut s: hip::hipStream_t = std::ptr::null_mut();
-        // SAFETY: out-parameter.
-        check("hipStreamCreateWithFlags", unsafe { hip::hipStreamCreateWithFlags(&mut s, hip::hipStreamNonBlocking) })?;
+        match priority {
+            StreamPriority::Normal => {
+                // SAFETY: out-parameter.
+                check("hipStreamCreateWithFlags", unsafe {
+                    hip::hipStreamCreateWithFlags(&mut s, hip::hipStreamNonBlocking)
+                })?
+            }
+            StreamPriority::High => {
+                let (mut least, mut greatest) = (0i32, 0i32);
+                // SAFETY: out-parameters; the greatest priority is the numerically lowest value.
+                check("hipDeviceGetStreamPriorityRange", unsafe {
+                    hip::hipDeviceGetStreamPriorityRange(&mut least, &mut greatest)
+                })?;
+                // SAFETY: out-parameter; `greatest` is in the device's range.
+                check("hipStreamCreateWithPriority", unsafe {
+                    hip::hipStreamCreateWithPriority(&mut s, hip::hipStreamNonBlocking, greatest)
+                })?
+            }
+        }
         Ok(StreamHandle(s))
     }
 }
@@ -508,9 +526,11 @@ impl StreamOps for RocmStream {
             // An empty capture replays as a no-op.
             return Ok(GraphImpl::Rocm(RocmGraph { handles, nodes }));
         }
+        // Its kernels keep the priorities of the streams that captured them.
+        let flags = hip::hipGraphInstantiateFlags_hipGraphInstantiateFlagUseNodePriority as u64;
         // SAFETY: complete captured graph.
         check("hipGraphInstantiateWithFlags", unsafe {
-            hip::hipGraphInstantiateWithFlags(&mut handles.exec, graph, 0)
+            hip::hipGraphInstantiateWithFlags(&mut handles.exec, graph, flags)
         })?;
         // SAFETY: fresh executable graph.
         check("hipGraphUpload", unsafe { hip::hipGraphUpload(handles.exec, s) })?;
