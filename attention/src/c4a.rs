@@ -10,7 +10,7 @@ use crate::common::{
     RaggedBuffers, StepLayout, TableKind,
 };
 use crate::error::{AttentionError, Result};
-use crate::source::{row_grid, AttnKernels, C4A_MAX_ENTRIES, C4A_THREADS};
+use crate::source::{row_grid, AttnKernels, C4A_MAX_ENTRIES, C4A_SYNC_WORDS, C4A_THREADS};
 
 /// Tokens per c4a compressed entry.
 pub const C4A_RATIO: usize = 4;
@@ -47,8 +47,10 @@ pub struct C4aBuilder {
     attn: AttnKernels,
     lens: Buffer<i32>,
     ragged: RaggedBuffers,
-    /// Rows one block of the count kernel covers (one per warp).
-    rows_per_count_block: usize,
+    /// The kernel's block counters (zero between launches).
+    sync: Buffer<i32>,
+    /// `[max_num_batched_tokens]` chained-scan status word per row (zero between launches).
+    status: Buffer<i32>,
 }
 
 impl std::fmt::Debug for C4aBuilder {
@@ -83,8 +85,11 @@ impl C4aBuilder {
             )));
         }
         let ragged = RaggedBuffers::new(dev, alloc, "attn.c4a.ragged", t, topk)?;
+        let sync = dev.alloc_zeroed::<i32>("attn.c4a.sync", C4A_SYNC_WORDS, true)?;
+        let status = dev.alloc_zeroed::<i32>("attn.c4a.scan_status", t.max(1), true)?;
         Ok(C4aBuilder {
-            rows_per_count_block: (C4A_THREADS / dev.info().warp_size.max(1)).max(1) as usize,
+            sync,
+            status,
             topk,
             cbs: bs / C4A_RATIO,
             max_tokens: t,
@@ -110,11 +115,11 @@ impl C4aBuilder {
     }
 
     /// Enqueues the step's c4a decode build on `s` from `topk_indices` (`[≥ num_decode_tokens,
-    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 2 launches,
-    /// no host sync: the lengths (one warp per row), then the pack (one block per row, which sums
-    /// the lengths before its row itself, so no block waits for another). The lengths live in
-    /// this builder's buffer, so one build per builder may be in flight at a time (enqueue builds
-    /// of one builder on one stream, or on one branch of a graph).
+    /// topk]` local compressed positions, -1 padded; the indexer's persistent output): 1 launch of
+    /// one block per row (the lengths, their scan and the pack in one pass: a chained scan over
+    /// per-row status words, rows taken in the order blocks start), no host sync. The scan's
+    /// counters and status words are this builder's, so one build per builder may be in flight
+    /// at a time (enqueue builds of one builder on one stream, or on one branch of a graph).
     pub fn build(&self, s: &Stream, common: &CommonAttentionMetadata, topk_indices: &View<i32>) -> Result<C4aMetadata> {
         let c = common.config();
         if c.max_num_batched_tokens > self.max_tokens {
@@ -146,17 +151,6 @@ impl C4aBuilder {
             );
             let lens = self.lens.slice(0, d)?;
             let ragged = self.ragged.views(d)?;
-            let count_args = [
-                (&topk).into(),
-                (&pos).into(),
-                (&slots).into(),
-                (&req).into(),
-                (&lens).into(),
-                (d as u32).into(),
-                (k as u32).into(),
-                (C4A_RATIO as u32).into(),
-            ];
-            s.launch(&self.attn.c4a_count, row_grid(d.div_ceil(self.rows_per_count_block), C4A_THREADS), &count_args)?;
             let args = [
                 (&topk).into(),
                 (&pos).into(),
@@ -167,14 +161,16 @@ impl C4aBuilder {
                 (&lens).into(),
                 (&ragged.indptr).into(),
                 (&ragged.indices).into(),
+                (&self.sync).into(),
+                (&self.status).into(),
                 (d as u32).into(),
                 (k as u32).into(),
                 (C4A_RATIO as u32).into(),
                 (self.cbs as u32).into(),
                 (bt.max_blocks_per_seq as u32).into(),
             ];
-            s.launch(&self.attn.c4a_pack, row_grid(d, C4A_THREADS), &args)?;
-            Ok((Some(C4aDecode { lens, ragged }), 2))
+            s.launch(&self.attn.c4a_decode, row_grid(d, C4A_THREADS), &args)?;
+            Ok((Some(C4aDecode { lens, ragged }), 1))
         })?;
         Ok(C4aMetadata { layout, decode, stats: BuildStats { launches, host_syncs } })
     }

@@ -213,46 +213,49 @@ HF_KERNEL void hf_dsv4_c128a_prefill(const int32_t* positions, const int32_t* sl
 #define HF_C4A_UNROLL 8
 __device__ __forceinline__ bool hf_c4a_keep(int32_t v, int32_t avail) { return v >= 0 && v < avail; }
 
-// The c4a decode build, two launches, no cross-block waiting. hf_dsv4_c4a_count: one warp per
-// token, lens[t] = the kept entries of row t. hf_dsv4_c4a_pack: one block per token, indptr[t + 1]
-// = lens[0] + ... + lens[t] (the block sums the lengths before its row itself: every block reads
-// them from the previous launch, so no block waits for another), and flat[indptr[t] + i] = the
-// global slot of the i-th kept entry of row t (row order preserved: thread h owns the contiguous
-// chunk [h * ceil(k / T), ...) of the row and a block scan orders the threads). Integer sums
-// only: exact in any order, so the output does not depend on which block built which row.
-HF_KERNEL void hf_dsv4_c4a_count(const int32_t* topk, const int32_t* positions, const int32_t* slots,
-                                 const int32_t* tok_req, int32_t* lens, uint32_t n, uint32_t k, uint32_t ratio) {
-    const uint32_t warps = blockDim.x / HF_WARP_SIZE, lane = threadIdx.x % HF_WARP_SIZE;
-    for (uint32_t t = blockIdx.x * warps + threadIdx.x / HF_WARP_SIZE; t < n; t += gridDim.x * warps) {
-        const int32_t req = tok_req[t];
-        const bool valid = slots[t] >= 0 && req >= 0;
-        const int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
-        const int32_t* in = topk + (uint64_t)t * k;
-        int32_t c = 0;
-#pragma unroll 8
-        for (uint32_t j = lane; j < k; j += HF_WARP_SIZE) c += hf_c4a_keep(in[j], avail);
-        for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) c += hf_shfl_xor(c, m);
-        if (lane == 0) lens[t] = c;
-    }
-}
-
-HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, const int32_t* slots,
-                                const int32_t* tok_req, const int32_t* table_rows, const int32_t* block_table,
-                                const int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t k,
-                                uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
+// The c4a decode build in one launch, one pass over the rows, no grid-wide wait: a block takes
+// rows by ticket (sync[0], in the order blocks start), counts row t's kept entries (lens[t]),
+// and finds the kept entries of every row before it by a chained scan over per-row status words
+// (status[t]: a flag, HF_C4A_AGG = "its own count is here" or HF_C4A_INC = "the count of rows
+// 0 ..= t is here", in the top bits, the value below): warp 0 looks back a warp's width of rows
+// at a time and stops at the nearest row that published its inclusive sum. A block only waits
+// for rows of lower tickets, whose blocks are already running and wait only for rows lower
+// still, so the scan needs no co-residency. Then indptr[t + 1] = (rows 0 ..= t), and flat[indptr[t]
+// + i] = the global slot of the i-th kept entry of row t (row order preserved: thread h owns the
+// contiguous chunk [h * ceil(k / T), ...) of the row and a block scan orders the threads). The
+// last block to finish (sync[1]) zeroes the status words and both counters for the next launch.
+// Integer sums only: exact in any order, so the output does not depend on which block took
+// which row.
+#define HF_C4A_AGG 0x40000000u
+#define HF_C4A_INC 0x80000000u
+#define HF_C4A_VALUE 0x3fffffffu
+HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions, const int32_t* slots,
+                                  const int32_t* tok_req, const int32_t* table_rows, const int32_t* block_table,
+                                  int32_t* lens, int32_t* indptr, int32_t* flat, int32_t* sync_i, int32_t* status_i,
+                                  uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
     __shared__ int32_t part[HF_C4A_THREADS];
+    __shared__ uint32_t s_ticket, s_last;
+    __shared__ int32_t s_base;
+    uint32_t* sync = reinterpret_cast<uint32_t*>(sync_i);
+    uint32_t* status = reinterpret_cast<uint32_t*>(status_i);
+    const volatile uint32_t* vstatus = status;
     const uint32_t chunk = (k + HF_C4A_THREADS - 1) / HF_C4A_THREADS;
     const uint32_t begin = threadIdx.x * chunk;
     const uint32_t end = begin + chunk < k ? begin + chunk : k;
     const bool held = chunk <= HF_C4A_UNROLL;
-    if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
-    for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
+    const int lane = (int)(threadIdx.x % HF_WARP_SIZE);
+    for (;;) {
+        __syncthreads();  // the previous row's readers of s_ticket and s_base are done
+        if (threadIdx.x == 0) s_ticket = atomicAdd(&sync[0], 1u);
+        __syncthreads();
+        const uint32_t t = s_ticket;
+        if (t >= n) break;
         const int32_t req = tok_req[t];
         const bool valid = slots[t] >= 0 && req >= 0;
         const int32_t avail = valid ? (int32_t)(((uint32_t)positions[t] + 1u) / ratio) : 0;
         const int32_t* in = topk + (uint64_t)t * k;
         // Chunks of up to HF_C4A_UNROLL entries (index_topk <= 1024) are held in registers, their
-        // loads and then their table reads in flight while the block sums the lengths before t.
+        // loads (and then their table reads) all in flight at once.
         int32_t v[HF_C4A_UNROLL];
         int32_t c = 0;
         if (held) {
@@ -264,15 +267,48 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
             for (uint32_t j = begin; j < end; ++j) c += hf_c4a_keep(in[j], avail);
         }
         const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
+        // A held chunk's table reads are issued now, in flight across the scans below.
         int32_t slot[HF_C4A_UNROLL];
         if (held) {
 #pragma unroll
             for (int e = 0; e < HF_C4A_UNROLL; ++e) slot[e] = hf_c4a_keep(v[e], avail) ? hf_slot(row, v[e], (int32_t)cbs) : 0;
         }
-        const int32_t before = hf_thread_sum_below(t, [&](uint32_t q) { return lens[q]; });
-        const int32_t base = hf_block_sum_i32(before, part);
         int32_t kept;
-        int32_t out = base + hf_block_exclusive_scan_i32(c, part, &kept);
+        const int32_t off = hf_block_exclusive_scan_i32(c, part, &kept);
+        if (threadIdx.x < HF_WARP_SIZE) {
+            int32_t base = 0;
+            if (t > 0) {
+                if (threadIdx.x == 0) atomicExch(&status[t], HF_C4A_AGG | (uint32_t)kept);
+                for (int64_t top = (int64_t)t;; top -= HF_WARP_SIZE) {
+                    // Lane i reads row top - 1 - i (rows below 0 read as an inclusive 0).
+                    const int64_t q = top - 1 - lane;
+                    uint32_t w = HF_C4A_INC;
+                    if (q >= 0) {
+                        do w = vstatus[q];
+                        while (w == 0u);
+                    }
+                    // The nearest lane holding an inclusive sum; lanes up to it add their values.
+                    int first = (w & HF_C4A_INC) ? lane : HF_WARP_SIZE;
+                    for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) {
+                        const int o = hf_shfl_xor(first, m);
+                        first = o < first ? o : first;
+                    }
+                    int32_t x = lane <= first ? (int32_t)(w & HF_C4A_VALUE) : 0;
+                    for (int m = HF_WARP_SIZE / 2; m > 0; m >>= 1) x += hf_shfl_xor(x, m);
+                    base += x;
+                    if (first < HF_WARP_SIZE) break;
+                }
+            }
+            if (threadIdx.x == 0) {
+                atomicExch(&status[t], HF_C4A_INC | (uint32_t)(base + kept));
+                s_base = base;
+                lens[t] = kept;
+                indptr[t + 1] = base + kept;
+                if (t == 0) indptr[0] = 0;
+            }
+        }
+        __syncthreads();
+        int32_t out = s_base + off;
         if (held) {
 #pragma unroll
             for (int e = 0; e < HF_C4A_UNROLL; ++e)
@@ -283,7 +319,15 @@ HF_KERNEL void hf_dsv4_c4a_pack(const int32_t* topk, const int32_t* positions, c
                 if (hf_c4a_keep(x, avail)) flat[out++] = hf_slot(row, x, (int32_t)cbs);
             }
         }
-        if (threadIdx.x == 0) indptr[t + 1] = base + kept;
+    }
+    // Leave: the last block clears the status words and the counters, after every block's
+    // status and ticket writes (so no late status word outlives the reset).
+    if (hf_block_arrives_last(&sync[1], gridDim.x, &s_last)) {
+        for (uint32_t i = threadIdx.x; i < n; i += blockDim.x) status[i] = 0u;
+        if (threadIdx.x == 0) {
+            sync[0] = 0u;
+            sync[1] = 0u;
+        }
     }
 }
 
@@ -336,10 +380,13 @@ HF_KERNEL void hf_dsv4_step_upload(const int32_t* staging, int32_t* step, int32_
 /// Threads per block of the step upload.
 pub(crate) const UPLOAD_THREADS: u32 = 256;
 
-/// Threads per block of the c4a kernels (their launchers must use exactly this many).
+/// Threads per block of the c4a kernel (its launcher must use exactly this many).
 pub const C4A_THREADS: u32 = 128;
-/// Most kept entries of one c4a build (`rows × topk`): its ragged offsets are `i32`.
-pub const C4A_MAX_ENTRIES: usize = i32::MAX as usize;
+/// Counter words of the c4a kernel's `sync` buffer (zero between launches).
+pub const C4A_SYNC_WORDS: usize = 2;
+/// Most kept entries of one c4a build (`rows × topk`): the value field of the kernel's chained-scan
+/// status words (30 bits).
+pub const C4A_MAX_ENTRIES: usize = (1 << 30) - 1;
 
 /// `(valid, position, request)` of token `t`.
 fn token(pos: &CpuPtr<'_, i32>, slots: &CpuPtr<'_, i32>, req: &CpuPtr<'_, i32>, t: usize) -> Result<(bool, i64, i64)> {
@@ -466,45 +513,37 @@ fn c128a_prefill(l: &CpuLaunch<'_>) -> Result<()> {
     Ok(())
 }
 
-/// The kept-entry bound of token `t` (0 when invalid), its validity and request.
-fn c4a_avail(
-    pos: &CpuPtr<'_, i32>,
-    slots: &CpuPtr<'_, i32>,
-    req: &CpuPtr<'_, i32>,
-    t: usize,
-    ratio: i64,
-) -> Result<(bool, i64, i64)> {
-    let (valid, p, r) = token(pos, slots, req, t)?;
-    Ok((valid, if valid { (p + 1) / ratio } else { 0 }, r))
-}
-
-fn c4a_count(l: &CpuLaunch<'_>) -> Result<()> {
-    let (topk, pos, slots, req, lens) =
-        (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?, l.ptr::<i32>(4)?);
-    let (n, k, ratio) = (l.count(5)?, l.count(6)?, l.count(7)? as i64);
-    for t in 0..n {
-        let (_, avail, _) = c4a_avail(&pos, &slots, &req, t, ratio)?;
-        let c = topk.read(t * k, k)?.into_iter().filter(|&v| v >= 0 && i64::from(v) < avail).count() as i32;
-        lens.set(t, c)?;
-    }
-    Ok(())
-}
-
-fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
+fn c4a_decode(l: &CpuLaunch<'_>) -> Result<()> {
     let (topk, pos, slots, req) = (l.ptr::<i32>(0)?, l.ptr::<i32>(1)?, l.ptr::<i32>(2)?, l.ptr::<i32>(3)?);
     let (rows, bt, lens) = (l.ptr::<i32>(4)?, l.ptr::<i32>(5)?, l.ptr::<i32>(6)?);
-    let (indptr, flat) = (l.ptr::<i32>(7)?, l.ptr::<i32>(8)?);
-    let (n, k, ratio, cbs, w) = (l.count(9)?, l.count(10)?, l.count(11)? as i64, l.count(12)? as i64, l.count(13)?);
+    let (indptr, flat, sync, status) = (l.ptr::<i32>(7)?, l.ptr::<i32>(8)?, l.ptr::<i32>(9)?, l.ptr::<i32>(10)?);
+    let (n, k, ratio, cbs, w) = (l.count(11)?, l.count(12)?, l.count(13)? as i64, l.count(14)? as i64, l.count(15)?);
+    if sync.len() < C4A_SYNC_WORDS {
+        return Err(l.fail(format!("`sync` holds {} words, the launch needs {C4A_SYNC_WORDS}", sync.len())));
+    }
+    if status.len() < n {
+        return Err(l.fail(format!("`status` holds {} words, {n} rows need one each", status.len())));
+    }
     if n.checked_mul(k).is_none_or(|e| e > C4A_MAX_ENTRIES) {
         return Err(l.fail(format!("{n} rows × {k} entries exceed the {C4A_MAX_ENTRIES} a build can count")));
     }
-    // Each row's base sums the lengths before it (two's-complement adds, as the device's).
-    let lens = lens.read(0, n)?;
-    let mut base = 0i32;
-    indptr.set(0, 0)?;
+    // (1) The lengths, then (2) their exclusive scan (two's-complement adds, as the device's)
+    // and the pack.
+    let mut keep = Vec::with_capacity(n);
+    for t in 0..n {
+        let (valid, p, r) = token(&pos, &slots, &req, t)?;
+        keep.push((valid, if valid { (p + 1) / ratio } else { 0 }, r));
+    }
+    let mut starts = Vec::with_capacity(n + 1);
+    starts.push(0i32);
+    for (t, &(_, avail, _)) in keep.iter().enumerate() {
+        let c = topk.read(t * k, k)?.into_iter().filter(|&v| v >= 0 && i64::from(v) < avail).count() as i32;
+        lens.set(t, c)?;
+        starts.push(starts[t].wrapping_add(c));
+    }
+    indptr.write(0, &starts)?;
     let mut out = Vec::with_capacity(k);
-    for (t, &len) in lens.iter().enumerate() {
-        let (valid, avail, r) = c4a_avail(&pos, &slots, &req, t, ratio)?;
+    for (t, &(valid, avail, r)) in keep.iter().enumerate() {
         out.clear();
         let tr = if valid { table_row(&rows, r)? } else { 0 };
         for v in topk.read(t * k, k)? {
@@ -512,12 +551,12 @@ fn c4a_pack(l: &CpuLaunch<'_>) -> Result<()> {
                 out.push(slot(&bt, tr, w, i64::from(v), cbs)?);
             }
         }
-        indptr.set(t + 1, base.wrapping_add(out.len() as i32))?;
-        if !out.is_empty() {
-            let at = usize::try_from(base).map_err(|_| l.fail(format!("row {t}'s base {base} is negative")))?;
-            flat.write(at, &out)?;
+        if out.is_empty() {
+            continue;
         }
-        base = base.wrapping_add(len);
+        let base = starts[t];
+        let base = usize::try_from(base).map_err(|_| l.fail(format!("indptr[{t}] = {base} is negative")))?;
+        flat.write(base, &out)?;
     }
     Ok(())
 }
@@ -607,21 +646,7 @@ pub fn source() -> &'static KernelSource {
                     cpu: c128a_prefill,
                 },
                 KernelEntry {
-                    name: "hf_dsv4_c4a_count",
-                    params: vec![
-                        inp("topk"),
-                        inp("positions"),
-                        inp("slots"),
-                        inp("tok_req"),
-                        out("lens"),
-                        u("n"),
-                        u("k"),
-                        u("ratio"),
-                    ],
-                    cpu: c4a_count,
-                },
-                KernelEntry {
-                    name: "hf_dsv4_c4a_pack",
+                    name: "hf_dsv4_c4a_decode",
                     params: vec![
                         inp("topk"),
                         inp("positions"),
@@ -629,16 +654,18 @@ pub fn source() -> &'static KernelSource {
                         inp("tok_req"),
                         inp("table_rows"),
                         inp("block_table"),
-                        inp("lens"),
+                        Param::inout::<i32>("lens"),
                         out("indptr"),
                         out("flat"),
+                        Param::inout::<i32>("sync"),
+                        Param::inout::<i32>("status"),
                         u("n"),
                         u("k"),
                         u("ratio"),
                         u("cbs"),
                         u("bt_width"),
                     ],
-                    cpu: c4a_pack,
+                    cpu: c4a_decode,
                 },
                 KernelEntry {
                     name: "hf_dsv4_step_upload",
@@ -672,8 +699,7 @@ pub(crate) struct AttnKernels {
     pub(crate) swa_prefill_gather_lens: holdfast_hal::Kernel,
     pub(crate) c128a_decode: holdfast_hal::Kernel,
     pub(crate) c128a_prefill: holdfast_hal::Kernel,
-    pub(crate) c4a_count: holdfast_hal::Kernel,
-    pub(crate) c4a_pack: holdfast_hal::Kernel,
+    pub(crate) c4a_decode: holdfast_hal::Kernel,
     pub(crate) step_upload: holdfast_hal::Kernel,
 }
 
@@ -686,8 +712,7 @@ impl AttnKernels {
             swa_prefill_gather_lens: m.kernel("hf_dsv4_swa_prefill_gather_lens")?,
             c128a_decode: m.kernel("hf_dsv4_c128a_decode")?,
             c128a_prefill: m.kernel("hf_dsv4_c128a_prefill")?,
-            c4a_count: m.kernel("hf_dsv4_c4a_count")?,
-            c4a_pack: m.kernel("hf_dsv4_c4a_pack")?,
+            c4a_decode: m.kernel("hf_dsv4_c4a_decode")?,
             step_upload: m.kernel("hf_dsv4_step_upload")?,
         })
     }
