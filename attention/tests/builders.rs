@@ -253,12 +253,12 @@ fn views_depend_only_on_the_padded_row_count(dev: &Device) {
     }
 }
 
-/// More decode rows than the c4a kernel's grid (all resident at once: 4 blocks per
-/// multiprocessor, 528 on an H200) has blocks, so each block builds several rows in each phase.
-fn more_rows_than_blocks_are_built_by_grid_strides(dev: &Device) {
+/// Many decode rows: more blocks than the device holds at once (later rows' blocks start as
+/// earlier ones finish), and rows whose c4a look-back crosses many windows of a warp's width.
+fn many_rows_are_built_past_what_the_device_holds_at_once(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0xB10C);
-    let rows = 4 * dev.info().compute_units.max(1) as usize + 173;
+    let rows = 2 * 1024 + 4 * dev.info().compute_units.max(1) as usize + 173;
     let cfg = config(rows, rows, 2048, 0, 64, 256);
     let mut rig = Rig::new(dev, cfg, 128, 64);
     for _ in 0..2 {
@@ -289,7 +289,7 @@ holdfast_hal::device_suite!(
     uniform_padded_decode_rows_are_all_decode_rows_of_length_zero,
     bad_inputs_are_errors_before_any_kernel,
     views_depend_only_on_the_padded_row_count,
-    more_rows_than_blocks_are_built_by_grid_strides,
+    many_rows_are_built_past_what_the_device_holds_at_once,
 );
 
 #[test]
