@@ -25,7 +25,7 @@ use holdfast_attention::{
     RaggedKv, SparseAttention, SwaBuilder,
 };
 use holdfast_graph::{BatchDescriptor, Forward, GraphError, PersistentArena, PieceCtx, RuntimeMode, StepKind};
-use holdfast_hal::{Buffer, Communicator, Device, MappedBuffer, ReduceOp, Stream, StreamPriority, View};
+use holdfast_hal::{Buffer, Communicator, Device, MappedBuffer, ReduceOp, Stream, View};
 use holdfast_kernels::{DenseKernels, Gemm};
 use holdfast_mhc::{
     HcHeadParams, HcHeadWeights, MhcConfig, MhcKernels, MhcOps, MhcPostInputs, MhcPreOutputs, MhcPreParams,
@@ -365,8 +365,7 @@ impl ModelForward {
                 .collect(),
             tp,
             local,
-            // The c128a build's branch: the metadata's critical path, started first on the device.
-            side: dev.create_stream_with_priority(StreamPriority::High)?,
+            side: dev.create_stream()?,
         })
     }
 
