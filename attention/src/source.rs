@@ -267,12 +267,6 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
             for (uint32_t j = begin; j < end; ++j) c += hf_c4a_keep(in[j], avail);
         }
         const int32_t* row = block_table + (uint64_t)(valid ? table_rows[req] : 0) * bt_width;
-        // A held chunk's table reads are issued now, in flight across the scans below.
-        int32_t slot[HF_C4A_UNROLL];
-        if (held) {
-#pragma unroll
-            for (int e = 0; e < HF_C4A_UNROLL; ++e) slot[e] = hf_c4a_keep(v[e], avail) ? hf_slot(row, v[e], (int32_t)cbs) : 0;
-        }
         int32_t kept;
         const int32_t off = hf_block_exclusive_scan_i32(c, part, &kept);
         if (threadIdx.x < HF_WARP_SIZE) {
@@ -310,6 +304,9 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
         __syncthreads();
         int32_t out = s_base + off;
         if (held) {
+            int32_t slot[HF_C4A_UNROLL];
+#pragma unroll
+            for (int e = 0; e < HF_C4A_UNROLL; ++e) slot[e] = hf_c4a_keep(v[e], avail) ? hf_slot(row, v[e], (int32_t)cbs) : 0;
 #pragma unroll
             for (int e = 0; e < HF_C4A_UNROLL; ++e)
                 if (hf_c4a_keep(v[e], avail)) flat[out++] = slot[e];
