@@ -54,6 +54,24 @@ HF_KERNEL void hf_row_sum_bf16(const hf_bf16* x, float* out, uint32_t rows, uint
         out[r] = t;
     }
 }
+// Every f32 bit pattern (hi << 16) | lo for hi in [hi_first, hi_first + hi_count), lo < 2^16,
+// through hf_f32_to_bf16 against the integer definition: out[0] += the mismatches, out[1] =
+// min(out[1], the smallest mismatching pattern). out starts as {0, 0xffffffff}.
+HF_KERNEL void hf_bf16_round_check(uint32_t* out, uint32_t hi_first, uint32_t hi_count) {
+    const uint64_t total = (uint64_t)hi_count << 16;
+    uint32_t bad = 0u, first = 0xffffffffu;
+    for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
+        const uint32_t p = (hi_first << 16) + (uint32_t)i;
+        if (hf_f32_to_bf16(__uint_as_float(p)).bits != hf_f32_to_bf16_bits_soft(p)) {
+            ++bad;
+            first = p < first ? p : first;
+        }
+    }
+    if (bad) {
+        atomicAdd(&out[0], bad);
+        atomicMin(&out[1], first);
+    }
+}
 "#;
 
 fn n_arg(l: &CpuLaunch<'_>, i: usize, views: &[usize]) -> Result<usize> {
@@ -120,11 +138,35 @@ fn row_sum_bf16(l: &CpuLaunch<'_>) -> Result<()> {
     out.write(0, &sums)
 }
 
+/// The integer definition of the f32 → bf16 rounding (portability.h's `hf_f32_to_bf16_bits_soft`).
+fn bf16_bits_soft(u: u32) -> u16 {
+    if u & 0x7fff_ffff > 0x7f80_0000 {
+        return ((u >> 16) | 0x0040) as u16;
+    }
+    (u.wrapping_add(0x7fff + ((u >> 16) & 1)) >> 16) as u16
+}
+
+fn bf16_round_check(l: &CpuLaunch<'_>) -> Result<()> {
+    let (out, first_hi, count) = (l.ptr::<u32>(0)?, l.u32(1)?, l.u32(2)?);
+    let (mut bad, mut first) = (out.get(0)?, out.get(1)?);
+    for i in 0..(u64::from(count) << 16) {
+        let p = (first_hi << 16).wrapping_add(i as u32);
+        if half::bf16::from_f32(f32::from_bits(p)).to_bits() != bf16_bits_soft(p) {
+            bad += 1;
+            first = first.min(p);
+        }
+    }
+    out.write(0, &[bad, first])
+}
+
 /// The demo kernel source: `hf_axpy` (y = a·x + y), `hf_scale` (out = s·x), `hf_add`
 /// (out = a + b), `hf_gather` (`out[i] = src[idx[i]]`, 0 for idx < 0), `hf_touch` (x += 1, a
 /// near-empty kernel for overhead measurements), `hf_touch_dependent` (the same, for
 /// [`crate::Stream::launch_dependent`]) and `hf_row_sum_bf16` (`x [rows, cols]` bf16 →
-/// `out [rows]` f32, one block per row; the CPU sum order differs, so compare within tolerance).
+/// `out [rows]` f32, one block per row; the CPU sum order differs, so compare within tolerance) and
+/// `hf_bf16_round_check` (the device's f32 → bf16 conversion against its integer definition over
+/// `hi_count · 2¹⁶` bit patterns from `hi_first << 16`; the CPU checks the definition against the
+/// `half` crate).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -179,6 +221,15 @@ pub fn source() -> &'static KernelSource {
                         Param::scalar("cols", ScalarKind::U32),
                     ],
                     cpu: row_sum_bf16,
+                },
+                KernelEntry {
+                    name: "hf_bf16_round_check",
+                    params: vec![
+                        Param::inout::<u32>("out"),
+                        Param::scalar("hi_first", ScalarKind::U32),
+                        Param::scalar("hi_count", ScalarKind::U32),
+                    ],
+                    cpu: bf16_round_check,
                 },
             ],
         }

@@ -42,12 +42,31 @@ struct hf_bf16 { uint16_t bits; };
 struct hf_f16 { uint16_t bits; };
 
 __device__ __forceinline__ float hf_bf16_to_f32(hf_bf16 x) { return __uint_as_float(((uint32_t)x.bits) << 16); }
-__device__ __forceinline__ hf_bf16 hf_f32_to_bf16(float f) {
-    uint32_t u = __float_as_uint(f);
-    hf_bf16 r;
-    if ((u & 0x7fffffffu) > 0x7f800000u) { r.bits = (uint16_t)((u >> 16) | 0x0040u); return r; }  // quiet NaN
+// The definition of the f32 -> bf16 rounding, in integer steps: a NaN becomes the quiet NaN of
+// its sign and upper bits, everything else rounds to nearest, ties to even (subnormals and the
+// overflow to infinity included).
+__device__ __forceinline__ uint16_t hf_f32_to_bf16_bits_soft(uint32_t u) {
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);  // quiet NaN
     u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-    r.bits = (uint16_t)(u >> 16);
+    return (uint16_t)(u >> 16);
+}
+// f32 -> bf16 as the definition above. On NVIDIA sm_80+ a number takes the hardware conversion
+// (cvt.rn.bf16.f32: IEEE round to nearest even, subnormals kept, one instruction); NaNs keep the
+// integer path, whose payload rule the hardware does not follow.
+__device__ __forceinline__ hf_bf16 hf_f32_to_bf16(float f) {
+    hf_bf16 r;
+#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+    const uint32_t u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        r.bits = (uint16_t)((u >> 16) | 0x0040u);
+    } else {
+        unsigned short h;
+        asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+        r.bits = h;
+    }
+#else
+    r.bits = hf_f32_to_bf16_bits_soft(__float_as_uint(f));
+#endif
     return r;
 }
 

@@ -4,7 +4,8 @@
 
 use holdfast_hal::demo_kernels;
 use holdfast_hal::{
-    bf16, Arg, CaptureOp, CaptureStatus, Device, HalError, Kernel, LaunchConfig, Module, Stream, StreamPriority,
+    bf16, Arg, BackendKind, CaptureOp, CaptureStatus, Device, HalError, Kernel, LaunchConfig, Module, Stream,
+    StreamPriority,
 };
 
 fn module(dev: &Device) -> Module {
@@ -401,6 +402,30 @@ fn a_forked_capture_replays_both_branches_in_order(dev: &Device) {
     side.synchronize().expect("sync");
 }
 
+/// The device's f32 → bf16 conversion (hardware rounding where the device has it) equals the
+/// integer definition for every f32 bit pattern on a GPU (2³² of them), and the definition
+/// equals the `half` crate's on the CPU backend (every pattern whose top half is one of a set
+/// covering zeros, subnormals, normals, the largest finite values, infinities and NaNs).
+fn bf16_rounding_follows_its_definition_for_every_pattern(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let out = dev.alloc_from_slice("round.check", &[0u32, u32::MAX], true).expect("buffer");
+    let ranges: &[(u32, u32)] = if dev.info().backend == BackendKind::Cpu {
+        &[(0x0000, 1), (0x0080, 1), (0x3f80, 1), (0x7f7f, 2), (0x8000, 1), (0x807f, 2), (0xff7f, 2), (0x1234, 1)]
+    } else {
+        &[(0, 1 << 16)]
+    };
+    for &(first, count) in ranges {
+        s.launch(
+            &kernel(dev, "hf_bf16_round_check"),
+            LaunchConfig::blocks(1024, 256),
+            &[(&out).into(), first.into(), count.into()],
+        )
+        .expect("launch");
+    }
+    let got = s.copy_to_host_sync(&out.view()).expect("read");
+    assert_eq!(got, vec![0, u32::MAX], "[mismatches, smallest mismatching pattern]");
+}
+
 /// A high-priority stream is an ordinary stream that the device schedules first: eager work on
 /// it, a capture whose branch it is, and a replay into it all compute what the default priority
 /// does.
@@ -587,6 +612,7 @@ holdfast_hal::device_suite!(
     modules_are_compiled_once_per_device,
     a_forked_capture_replays_both_branches_in_order,
     a_high_priority_branch_runs_and_replays_like_any_other,
+    bf16_rounding_follows_its_definition_for_every_pattern,
     fork_and_join_misuse_is_a_precise_error_that_changes_nothing,
     dependent_launches_keep_their_order,
     mapped_host_memory_is_used_in_place,
