@@ -9,6 +9,8 @@
 
 mod common;
 
+use std::cell::RefCell;
+
 use common::sched::*;
 use common::{token, Batch, Rng, POISON};
 use holdfast_attention::indexer::{topk_launch_config, TOPK_MAX};
@@ -420,10 +422,11 @@ fn compressor_indexer_and_c4a_build_replay_equals_eager(dev: &Device) {
     let q = dev.alloc_persistent::<bf16>("g.q", t_max * heads * dim).expect("q");
     let w = dev.alloc_persistent::<f32>("g.w", t_max * heads).expect("w");
     let out = dev.alloc_from_slice("g.topk", &vec![-1; t_max * topk], true).expect("out");
+    // Staging written between steps and copied from inside the captured step.
     let (kv_pin, q_pin, w_pin) = (
-        dev.alloc_pinned::<f32>(t_max * 2 * dim).expect("pinned"),
-        dev.alloc_pinned::<bf16>(t_max * heads * dim).expect("pinned"),
-        dev.alloc_pinned::<f32>(t_max * heads).expect("pinned"),
+        RefCell::new(dev.alloc_pinned::<f32>(t_max * 2 * dim).expect("pinned")),
+        RefCell::new(dev.alloc_pinned::<bf16>(t_max * heads * dim).expect("pinned")),
+        RefCell::new(dev.alloc_pinned::<f32>(t_max * heads).expect("pinned")),
     );
     let (state_bak, cache_bak) = (
         dev.alloc::<f32>("g.state_bak", comp.state_len()).expect("bak"),
@@ -437,9 +440,9 @@ fn compressor_indexer_and_c4a_build_replay_equals_eager(dev: &Device) {
             w.prefix(rows * heads).expect("w"),
             out.prefix(rows * topk).expect("out"),
         );
-        s.copy_from_pinned(&kv_pin, 0, &kvv).expect("kv");
-        s.copy_from_pinned(&q_pin, 0, &qv).expect("q");
-        s.copy_from_pinned(&w_pin, 0, &wv).expect("w");
+        s.copy_from_pinned(&kv_pin.borrow(), 0, &kvv).expect("kv");
+        s.copy_from_pinned(&q_pin.borrow(), 0, &qv).expect("q");
+        s.copy_from_pinned(&w_pin.borrow(), 0, &wv).expect("w");
         let wts = CompressorWeights { ape: &ape.view(), norm: &norm.view() };
         comp.run(s, common, &kvv, &wts, &state.view(), &cache.view()).expect("compress");
         idx.select(s, common, &qv, &wv, &cache.view(), 0.125, &ov).expect("select");
@@ -455,9 +458,9 @@ fn compressor_indexer_and_c4a_build_replay_equals_eager(dev: &Device) {
         let kvh: Vec<f32> = (0..tokens * 2 * dim).map(|_| uniform(rng, -1.0, 1.0)).collect();
         let qh: Vec<bf16> = (0..tokens * heads * dim).map(|_| bf16::from_f32(uniform(rng, -1.0, 1.0))).collect();
         let wh: Vec<f32> = (0..tokens * heads).map(|_| uniform(rng, 0.0, 1.0)).collect();
-        kv_pin.write(0, &kvh).expect("pin");
-        q_pin.write(0, &qh).expect("pin");
-        w_pin.write(0, &wh).expect("pin");
+        kv_pin.borrow_mut().write(0, &kvh).expect("pin");
+        q_pin.borrow_mut().write(0, &qh).expect("pin");
+        w_pin.borrow_mut().write(0, &wh).expect("pin");
     };
     while let Some(step) = plan(&mut rng, &cfg, &mut reqs, 10, 0) {
         let l = common.stage(&step.batch.input()).expect("stage prefill");
@@ -466,7 +469,7 @@ fn compressor_indexer_and_c4a_build_replay_equals_eager(dev: &Device) {
         common.upload(&s).expect("upload");
         let t = l.num_tokens_padded;
         let kvv = kv.prefix(t * 2 * dim).expect("kv");
-        s.copy_from_pinned(&kv_pin, 0, &kvv).expect("kv");
+        s.copy_from_pinned(&kv_pin.borrow(), 0, &kvv).expect("kv");
         let wts = CompressorWeights { ape: &ape.view(), norm: &norm.view() };
         comp.run(&s, &common, &kvv, &wts, &state.view(), &cache.view()).expect("compress");
     }

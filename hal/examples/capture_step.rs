@@ -6,7 +6,7 @@
 
 use std::process::ExitCode;
 
-use holdfast_hal::{demo_kernels, Device, HalError, LaunchConfig, Result};
+use holdfast_hal::{demo_kernels, Device, HalError, LaunchConfig, PinnedBuffer, Result};
 
 fn run(device: &str) -> Result<()> {
     let dev = Device::open(device)?;
@@ -25,12 +25,12 @@ fn run(device: &str) -> Result<()> {
     let y = dev.alloc_zeroed::<f32>("step.y", n, true)?;
     let idx = dev.alloc_zeroed::<i32>("step.idx", n, true)?;
     let out = dev.alloc_zeroed::<f32>("step.out", n, true)?;
-    let staging = dev.alloc_pinned::<f32>(n)?;
-    let idx_staging = dev.alloc_pinned::<i32>(n)?;
+    let mut staging = dev.alloc_pinned::<f32>(n)?;
+    let mut idx_staging = dev.alloc_pinned::<i32>(n)?;
 
-    let step = || -> Result<()> {
-        s.copy_from_pinned(&staging, 0, &x.view())?;
-        s.copy_from_pinned(&idx_staging, 0, &idx.view())?;
+    let step = |staging: &PinnedBuffer<f32>, idx_staging: &PinnedBuffer<i32>| -> Result<()> {
+        s.copy_from_pinned(staging, 0, &x.view())?;
+        s.copy_from_pinned(idx_staging, 0, &idx.view())?;
         s.memset(&y.view(), 0)?;
         s.launch(&axpy, cfg, &[(&x).into(), (&y).into(), 3.0f32.into(), nn.into()])?; // y = 3x
         s.launch(&gather, cfg, &[(&y).into(), (&idx).into(), (&out).into(), nn.into()])?; // out = y[idx]
@@ -43,7 +43,7 @@ fn run(device: &str) -> Result<()> {
     };
 
     s.begin_capture("step")?;
-    step()?;
+    step(&staging, &idx_staging)?;
     let graph = s.end_capture()?;
     println!(
         "captured `{}`: {} operations, {} backend nodes, {} buffers retained",
@@ -68,7 +68,7 @@ fn run(device: &str) -> Result<()> {
         idx_staging.write(0, &is)?;
         graph.replay(&s)?;
         let replayed = s.copy_to_host_sync(&out.view())?;
-        step()?;
+        step(&staging, &idx_staging)?;
         let eager = s.copy_to_host_sync(&out.view())?;
         let host = host_step(&xs, &is);
         let bitwise = replayed.iter().zip(&eager).all(|(a, b)| a.to_bits() == b.to_bits());

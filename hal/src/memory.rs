@@ -360,8 +360,9 @@ impl<T: Element> PinnedBuffer<T> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// Writes `data` at element `offset` (host-side memcpy).
-    pub fn write(&self, offset: usize, data: &[T]) -> Result<()> {
+    /// Writes `data` at element `offset` (host-side memcpy). Takes the buffer mutably, so host
+    /// writes cannot race each other (the device side is the caller's to order, as above).
+    pub fn write(&mut self, offset: usize, data: &[T]) -> Result<()> {
         self.check(offset, data.len())?;
         self.alloc.inner.write(offset * T::DTYPE.size(), bytemuck::cast_slice(data));
         Ok(())

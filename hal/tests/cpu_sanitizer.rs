@@ -225,8 +225,8 @@ proptest! {
     ) {
         let dev = cpu();
         let s = dev.create_stream().expect("stream");
-        let eager = world(&dev, "e", &idx);
-        let graph_w = world(&dev, "g", &idx);
+        let mut eager = world(&dev, "e", &idx);
+        let mut graph_w = world(&dev, "g", &idx);
         let mut full = vec![Op::Stage { dst: 0 }];
         full.extend(prog);
         dev.compile(demo_kernels::source()).expect("compile before capture");

@@ -73,7 +73,7 @@ fn memset_copy_and_views_keep_addresses(dev: &Device) {
     s.copy(&v, &b.slice(0, 3).expect("dst")).expect("copy");
     s.memset(&b.slice(3, 3).expect("tail"), 0xFF).expect("memset");
     assert_eq!(s.copy_to_host_sync(&b.view()).expect("read"), vec![3, 4, 5, u32::MAX, u32::MAX, u32::MAX]);
-    let pinned = dev.alloc_pinned::<u32>(6).expect("pinned");
+    let mut pinned = dev.alloc_pinned::<u32>(6).expect("pinned");
     pinned.write(0, &[9, 8, 7, 6, 5, 4]).expect("stage");
     s.copy_from_pinned(&pinned, 1, &b.slice(0, 2).expect("dst")).expect("h2d");
     s.copy_from_host(&[42u32], &b.slice(5, 1).expect("last")).expect("pageable");
@@ -109,8 +109,8 @@ fn capture_then_replay_with_new_inputs_equals_eager(dev: &Device) {
     };
     let [ex, ey, eout] = mk("eager");
     let [gx, gy, gout] = mk("graph");
-    let pin_e = dev.alloc_pinned::<f32>(n).expect("pinned");
-    let pin_g = dev.alloc_pinned::<f32>(n).expect("pinned");
+    let mut pin_e = dev.alloc_pinned::<f32>(n).expect("pinned");
+    let mut pin_g = dev.alloc_pinned::<f32>(n).expect("pinned");
     s.begin_capture("step").expect("begin");
     assert!(matches!(s.capture_status(), CaptureStatus::Capturing { .. }));
     record_step(dev, &s, &pin_g, &gx, &gy, &gout);
@@ -246,7 +246,7 @@ fn a_stale_host_refreshed_input_is_caught(dev: &Device) {
         }
         other => panic!("expected StaleHostInput, got {other:?}"),
     }
-    let pinned = dev.alloc_pinned::<f32>(8).expect("pinned");
+    let mut pinned = dev.alloc_pinned::<f32>(8).expect("pinned");
     pinned.write(0, &[2.0; 8]).expect("stage");
     s.copy_from_pinned(&pinned, 0, &ids.view()).expect("step 2 upload");
     g.replay(&s).expect("a pinned upload refreshes too");
