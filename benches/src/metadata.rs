@@ -4,9 +4,9 @@
 //! events around the eager calls (so the host's enqueue gaps count), and from a graph of them
 //! replayed with a fresh step staged each time (the device work alone; the row that carries the
 //! bytes and the target). In the graph the c128a and c4a builds run on branches forked after the
-//! upload, concurrently with the SWA build. Two more graphs time its parts: the upload alone, and
+//! upload, concurrently with the SWA build. Three more graphs time its parts: the upload alone,
 //! the upload with the c128a build (the critical path; the rest of the step is what the SWA and
-//! c4a builds beside it add).
+//! c4a builds beside it add), and the upload with the c4a build.
 //!
 //! The block tables live on the device (written once per request): a steady decode step stages
 //! each request's next token and appends a block to a table only when that token starts one. The
@@ -75,6 +75,8 @@ enum Parts {
     Upload,
     /// The upload and the c128a build (the critical path of `All`).
     UploadC128a,
+    /// The upload and the c4a build.
+    UploadC4a,
 }
 
 /// The three builders of a step, the top-k rows the c4a one reads, and two side streams.
@@ -97,21 +99,26 @@ impl Builds<'_> {
         }
         let forked = s.is_capturing();
         let [a, b] = if forked { self.side } else { [s, s] };
-        if forked {
-            s.fork_capture(a)?;
+        let (with_c128a, with_c4a) = (parts != Parts::UploadC4a, parts != Parts::UploadC128a);
+        if with_c128a {
+            if forked {
+                s.fork_capture(a)?;
+            }
+            self.c128a.build(a, common)?;
         }
-        self.c128a.build(a, common)?;
-        if parts == Parts::All {
+        if with_c4a {
             if forked {
                 s.fork_capture(b)?;
             }
             self.c4a.build(b, common, self.topk)?;
-            self.swa.build(s, common)?;
-            if forked {
-                s.join_capture(b)?;
-            }
         }
-        if forked {
+        if parts == Parts::All {
+            self.swa.build(s, common)?;
+        }
+        if forked && with_c4a {
+            s.join_capture(b)?;
+        }
+        if forked && with_c128a {
             s.join_capture(a)?;
         }
         Ok(())
@@ -345,7 +352,11 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
                 out.push(r);
                 // Its parts: the upload alone, and the upload with the c128a build (the
                 // critical path; the rest is what the SWA and c4a builds beside it add).
-                for (parts, what) in [(Parts::Upload, "upload"), (Parts::UploadC128a, "upload + c128a build")] {
+                for (parts, what) in [
+                    (Parts::Upload, "upload"),
+                    (Parts::UploadC128a, "upload + c128a build"),
+                    (Parts::UploadC4a, "upload + c4a build"),
+                ] {
                     let (mut us, _) = replayed(ctx, &mut common, &mut batch, &builds, parts, steps)?;
                     out.push(
                         Row::timed(
@@ -394,32 +405,42 @@ mod tests {
         let builds = Builds { swa: &swa, c128a: &c128a, c4a: &c4a, topk: &tv, side: [&side[0], &side[1]] };
         let mut batch = DecodeBatch::new(cfg, 11, 8);
         batch.fill(&mut common, &s)?;
-        for parts in [Parts::All, Parts::Upload, Parts::UploadC128a] {
+        for parts in [Parts::All, Parts::Upload, Parts::UploadC128a, Parts::UploadC4a] {
             batch.advance(0, &mut common)?;
             common.stage(&batch.input())?;
             common.apply_bulk_table_updates(&s)?;
             builds.enqueue(&s, &common, parts)?;
             // The same views every build hands out.
             let dense = c128a.build(&s, &common)?.decode.map(|d| d.indices);
+            let ragged4 = c4a.build(&s, &common, &tv)?.decode.map(|d| d.ragged.indptr);
             let want = (
                 s.copy_to_host_sync(&common.positions()?)?,
                 dense.as_ref().map(|v| s.copy_to_host_sync(v)).transpose()?,
+                ragged4.as_ref().map(|v| s.copy_to_host_sync(v)).transpose()?,
             );
             s.begin_capture("parts")?;
             builds.enqueue(&s, &common, parts)?;
             let g = s.end_capture()?;
             c128a.fill_outputs(&s, -7)?;
+            c4a.fill_outputs(&s, -7)?;
             g.replay(&s)?;
             s.synchronize()?;
             let got = s.copy_to_host_sync(&common.positions()?)?;
             assert_eq!(got, want.0, "{parts:?}: uploaded positions");
-            if let (Some(v), Some(w)) = (dense.as_ref(), want.1.as_ref()) {
+            let built = |v: &View<i32>, w: &Vec<i32>, expected: bool, what: &str| -> Result<()> {
                 let got = s.copy_to_host_sync(v)?;
-                if parts == Parts::Upload {
-                    assert!(got.iter().all(|&x| x == -7), "{parts:?}: no c128a build");
+                if expected {
+                    assert_eq!(&got, w, "{parts:?}: {what}");
                 } else {
-                    assert_eq!(&got, w, "{parts:?}: c128a rows");
+                    assert!(got.iter().all(|&x| x == -7), "{parts:?}: no {what}");
                 }
+                Ok(())
+            };
+            if let (Some(v), Some(w)) = (dense.as_ref(), want.1.as_ref()) {
+                built(v, w, matches!(parts, Parts::All | Parts::UploadC128a), "c128a rows")?;
+            }
+            if let (Some(v), Some(w)) = (ragged4.as_ref(), want.2.as_ref()) {
+                built(v, w, matches!(parts, Parts::All | Parts::UploadC4a), "c4a indptr")?;
             }
         }
         Ok(())
