@@ -258,7 +258,8 @@ fn views_depend_only_on_the_padded_row_count(dev: &Device) {
 fn many_rows_are_built_past_what_the_device_holds_at_once(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0xB10C);
-    let rows = 2 * 1024 + 4 * dev.info().compute_units.max(1) as usize + 173;
+    // 16 blocks of 128 threads fill a multiprocessor's 2048 thread slots.
+    let rows = 16 * dev.info().compute_units.max(1) as usize + 2048 + 173;
     let cfg = config(rows, rows, 2048, 0, 64, 256);
     let mut rig = Rig::new(dev, cfg, 128, 64);
     for _ in 0..2 {

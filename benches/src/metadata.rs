@@ -350,8 +350,9 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
                     r = r.with_target(Target::FractionAtLeast(0.5));
                 }
                 out.push(r);
-                // Its parts: the upload alone, and the upload with the c128a build (the
-                // critical path; the rest is what the SWA and c4a builds beside it add).
+                // Its parts: the upload alone, the upload with the c128a build (the critical
+                // path; the rest is what the SWA and c4a builds beside it add), and the upload
+                // with the c4a build.
                 for (parts, what) in [
                     (Parts::Upload, "upload"),
                     (Parts::UploadC128a, "upload + c128a build"),

@@ -162,7 +162,7 @@ fn bf16_round_check(l: &CpuLaunch<'_>) -> Result<()> {
 /// The demo kernel source: `hf_axpy` (y = a·x + y), `hf_scale` (out = s·x), `hf_add`
 /// (out = a + b), `hf_gather` (`out[i] = src[idx[i]]`, 0 for idx < 0), `hf_touch` (x += 1, a
 /// near-empty kernel for overhead measurements), `hf_touch_dependent` (the same, for
-/// [`crate::Stream::launch_dependent`]) and `hf_row_sum_bf16` (`x [rows, cols]` bf16 →
+/// [`crate::Stream::launch_dependent`]), `hf_row_sum_bf16` (`x [rows, cols]` bf16 →
 /// `out [rows]` f32, one block per row; the CPU sum order differs, so compare within tolerance) and
 /// `hf_bf16_round_check` (the device's f32 → bf16 conversion against its integer definition over
 /// `hi_count · 2¹⁶` bit patterns from `hi_first << 16`; the CPU checks the definition against the

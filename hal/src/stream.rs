@@ -18,15 +18,16 @@ use crate::memory::{PinnedBuffer, RawView, View};
 
 /// How a stream's kernels are scheduled against other streams' kernels on the device.
 ///
-/// The device starts the pending blocks of higher-priority kernels before those of lower-priority
-/// ones as resources free up (running blocks are never preempted), so a kernel on the critical
-/// path of concurrent branches can be given the device first. A priority changes when work runs,
-/// never what it computes. A captured graph's kernels keep the priority of the stream that
-/// captured them, whatever stream replays the graph. The CPU emulator runs every stream in order
-/// and ignores it.
+/// The device prefers the pending blocks of higher-priority kernels to those of lower-priority
+/// ones as resources free up (whether running work is preempted is up to the device), so a
+/// kernel on the critical path of concurrent branches can be given the device first. A priority
+/// changes when work runs, never what it computes. A captured graph's kernels keep the priority
+/// of the stream that captured them, whatever stream replays the graph (CUDA copies a stream's
+/// priority into the kernels it captures; a HIP runtime that does not runs them at the default).
+/// The CPU emulator runs every stream in order and ignores it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum StreamPriority {
-    /// The device's default (lowest) priority.
+    /// The default priority (0: the lowest on CUDA).
     #[default]
     Normal,
     /// The device's greatest priority.
