@@ -102,6 +102,13 @@ pub struct ServeReport {
     pub seconds: f64,
 }
 
+/// What a runner's settings give before any device memory is allocated.
+struct Plan {
+    kv: KvConfig,
+    resolved: Resolved,
+    dispatcher: Dispatcher,
+}
+
 /// The model with its graphs: dispatch, stage, run or replay, sample.
 pub struct ModelRunner {
     stream: Stream,
@@ -153,13 +160,17 @@ impl ModelRunner {
         Self::build(&dev, cfg, settings, &mut SeededInit { seed: settings.seed }, Some(comm))
     }
 
-    fn build(
-        dev: &Device,
-        cfg: &ModelConfig,
-        settings: &RunnerSettings,
-        src: &mut dyn WeightSource,
-        tp: Option<Communicator>,
-    ) -> Result<Self> {
+    /// Checks `settings` against `cfg` as building a runner does (the model config, the step
+    /// limits, the graph mode's resolution, the capture sizes and the dispatcher's keys), without
+    /// a device: every settings error [`ModelRunner::new`] would return for them, before any
+    /// work starts.
+    pub fn check(cfg: &ModelConfig, settings: &RunnerSettings) -> Result<()> {
+        Self::plan(cfg, settings).map(|_| ())
+    }
+
+    /// The KV layout, resolved mode and dispatcher (with its capture sizes and keys) `settings`
+    /// give for `cfg`, validated.
+    fn plan(cfg: &ModelConfig, settings: &RunnerSettings) -> Result<Plan> {
         cfg.validate()?;
         let s = settings;
         if s.max_num_seqs == 0 || s.max_num_seqs > s.max_num_batched_tokens {
@@ -234,6 +245,18 @@ impl ModelRunner {
             attention_is_splitting_op: true,
         })?;
         dispatcher.initialize_keys(resolved.mode, 1)?;
+        Ok(Plan { kv, resolved, dispatcher })
+    }
+
+    fn build(
+        dev: &Device,
+        cfg: &ModelConfig,
+        settings: &RunnerSettings,
+        src: &mut dyn WeightSource,
+        tp: Option<Communicator>,
+    ) -> Result<Self> {
+        let Plan { kv, resolved, dispatcher } = Self::plan(cfg, settings)?;
+        let s = settings;
         let shard = tp.as_ref().map_or(Shard::WHOLE, |c| Shard { rank: c.rank(), size: c.size() });
         let weights = Weights::load_shard(dev, cfg, src, shard)?;
         let limits = ForwardLimits {

@@ -110,6 +110,18 @@ fn an_impossible_capture_size_is_a_usage_error() {
         &["capture_sizes", "4096"],
     );
     assert_usage_error(&holdfast(&["simulate", "--capture-sizes", "0", "--quiet"]), &["capture_sizes"]);
+    // Every mode's settings are checked before the first mode runs: without --quiet the error is
+    // still the first line (no header, no NONE run before the graph modes' capture sizes fail).
+    for (args, named) in [
+        (&["simulate", "--capture-sizes", "0"][..], "capture_sizes"),
+        (&["simulate", "--max-capture-size", "0"][..], "max_cudagraph_capture_size"),
+        (&["simulate", "--max-num-seqs", "0"][..], "--max-num-seqs"),
+        (&["simulate", "--modes", "none,full", "--capture-sizes", "1,4096"][..], "4096"),
+    ] {
+        let out = holdfast(args);
+        assert_usage_error(&out, &[named]);
+        assert!(text(&out.stdout).is_empty(), "{args:?}: nothing ran: {}", text(&out.stdout));
+    }
 }
 
 #[test]

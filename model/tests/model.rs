@@ -166,6 +166,20 @@ fn bad_inputs_are_errors(dev: &Device) {
     let mut s = settings(GraphMode::Full);
     s.max_model_len = cfg.max_position_embeddings + 1;
     assert!(matches!(ModelRunner::new(dev, &cfg, &s), Err(ModelError::Setting { setting: "max_model_len", .. })));
+    // The device-free check refuses exactly what building refuses, with the same error.
+    for bad in [
+        RunnerSettings { capture_sizes: Some(vec![1, 128]), ..settings(GraphMode::Full) },
+        RunnerSettings { max_num_seqs: 0, ..settings(GraphMode::Full) },
+        RunnerSettings { capture_sizes: Some(vec![0]), ..settings(GraphMode::Piecewise) },
+        RunnerSettings { max_capture_size: Some(0), ..settings(GraphMode::FullAndPiecewise) },
+    ] {
+        let checked = ModelRunner::check(&cfg, &bad).expect_err("refused by the check").to_string();
+        let built = ModelRunner::new(dev, &cfg, &bad).map(|_| ()).expect_err("refused by building").to_string();
+        assert_eq!(checked, built);
+    }
+    for mode in [GraphMode::None, GraphMode::Piecewise, GraphMode::Full, GraphMode::FullDecodeOnly] {
+        ModelRunner::check(&cfg, &settings(mode)).expect("the test settings are valid");
+    }
 
     // A step larger than the runner was built for is refused before anything runs.
     let mut runner = ModelRunner::new(dev, &cfg, &settings(GraphMode::None)).expect("runner");

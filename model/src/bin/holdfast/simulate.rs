@@ -120,6 +120,9 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
     if !(a.arrival_rate.is_finite() && a.arrival_rate >= 0.0) {
         return Err(usage(format!("--arrival-rate must be a finite rate >= 0, got {}", a.arrival_rate)));
     }
+    if c.max_num_seqs == 0 {
+        return Err(usage("--max-num-seqs must be at least 1"));
+    }
     let concurrency = a.concurrency.unwrap_or(c.max_num_seqs);
     if concurrency == 0 {
         return Err(usage("--concurrency must be at least 1"));
@@ -134,6 +137,10 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
         )));
     }
     let (model, cfg) = c.model_config()?;
+    // Every mode's settings are checked before the first mode runs.
+    for &mode in &modes {
+        ModelRunner::check(&cfg, &c.settings(mode))?;
+    }
     let dev = c.device()?;
     if a.tensor_parallel == 0 {
         return Err(usage("--tensor-parallel must be at least 1"));
