@@ -739,6 +739,17 @@ impl Forward for ModelForward {
             ));
         }
         if kind != StepKind::Step {
+            // A warm-up or capture stages padding into the same mapped inputs: it would replace a
+            // staged step, which would then run on padding. Capture before staging (this forward
+            // does not support the graph runner's lazy capture).
+            if let Some(s) = self.staged {
+                return Err(to_graph(
+                    "prepare",
+                    ModelError::Step(format!(
+                        "a {kind:?} run would overwrite the step staged for {s} token rows: capture graphs                          before staging a step (lazy capture is not supported)"
+                    )),
+                ));
+            }
             return self.stage(t, None).map_err(g("prepare"));
         }
         match self.staged.take() {

@@ -4,10 +4,12 @@
 
 use std::collections::BTreeMap;
 
-use holdfast_graph::{GraphMode, RuntimeMode};
+use holdfast_graph::{BatchDescriptor, Forward, GraphMode, RuntimeMode, StepKind};
 use holdfast_hal::Device;
 use holdfast_model::scheduler::Request;
-use holdfast_model::{ModelConfig, ModelError, ModelRunner, RunnerSettings};
+use holdfast_model::{
+    ForwardLimits, ModelConfig, ModelError, ModelForward, ModelRunner, RunnerSettings, SeededInit, Weights,
+};
 
 fn settings(mode: GraphMode) -> RunnerSettings {
     RunnerSettings {
@@ -191,6 +193,21 @@ fn bad_inputs_are_errors(dev: &Device) {
     let step = sched.schedule().expect("schedule").expect("a step");
     let e = runner.execute(&step).expect_err("100 tokens into a 64-token runner");
     assert!(e.to_string().contains("100 tokens"), "{e}");
+
+    // A capture's warm-up after a step was staged (lazy capture) is refused, not run on padding.
+    let mut sched = other.scheduler().expect("scheduler");
+    sched.add(Request { id: 3, prompt: vec![1; 5], max_new_tokens: 1 }).expect("add");
+    let step = sched.schedule().expect("schedule").expect("a step");
+    let kv = other.kv_config();
+    let limits = ForwardLimits { max_num_batched_tokens: 128, max_num_seqs: 8, max_model_len: 512 };
+    let weights = Weights::load(dev, &cfg, &mut SeededInit { seed: 7 }).expect("weights");
+    let mut fwd = ModelForward::new(dev, &cfg, weights, limits, kv.swa_table(), kv.kv_table()).expect("forward");
+    let s = dev.create_stream().expect("stream");
+    let desc = BatchDescriptor::unpadded(8);
+    fwd.stage_step(&step, 8).expect("stage");
+    let e = Forward::prepare(&mut fwd, &s, &desc, StepKind::WarmUp).expect_err("a warm-up over a staged step");
+    assert!(e.to_string().contains("overwrite the step staged for 8"), "{e}");
+    Forward::prepare(&mut fwd, &s, &desc, StepKind::Step).expect("the staged step is intact and runs");
 
     // An out-of-vocabulary token id is the scheduler's to refuse; a negative one is refused.
     let mut sched = runner.scheduler().expect("scheduler");
