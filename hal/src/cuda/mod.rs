@@ -161,7 +161,7 @@ impl DeviceOps for CudaDevice {
         // what the host writes fastest); explicitly mapped memory where that has no device address.
         match self.alloc_host_mapped(bytes, label, 0) {
             Ok(mem) => Ok(mem),
-            Err(HalError::OutOfMemory { .. }) => Err(HalError::OutOfMemory { bytes, label: label.to_string() }),
+            Err(oom @ HalError::OutOfMemory { .. }) => Err(oom),
             Err(_) => {
                 self.alloc_host_mapped(bytes, label, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
             }
