@@ -54,15 +54,25 @@ HF_KERNEL void hf_row_sum_bf16(const hf_bf16* x, float* out, uint32_t rows, uint
         out[r] = t;
     }
 }
-// Every f32 bit pattern (hi << 16) | lo for hi in [hi_first, hi_first + hi_count), lo < 2^16,
-// through hf_f32_to_bf16 against the integer definition: out[0] += the mismatches, out[1] =
-// min(out[1], the smallest mismatching pattern). out starts as {0, 0xffffffff}.
+// Every f32 bit pattern p = (hi << 16) | lo for hi in [hi_first, hi_first + hi_count), lo < 2^16,
+// through hf_f32_to_bf16 against the integer definition, and through the pair conversions with p
+// in the low half and its halves swapped (every pattern again, NaN beside number included) in the
+// high half: hf_pack_bf16x2 against the definition in both halves, hf_pack_bf16x2_any_nan in every
+// half that is not a NaN's. out[0] += the mismatches, out[1] = min(out[1], the smallest pattern p
+// with one). out starts as {0, 0xffffffff}.
 HF_KERNEL void hf_bf16_round_check(uint32_t* out, uint32_t hi_first, uint32_t hi_count) {
     const uint64_t total = (uint64_t)hi_count << 16;
     uint32_t bad = 0u, first = 0xffffffffu;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
         const uint32_t p = (hi_first << 16) + (uint32_t)i;
-        if (hf_f32_to_bf16(__uint_as_float(p)).bits != hf_f32_to_bf16_bits_soft(p)) {
+        const uint32_t q = (p >> 16) | (p << 16);
+        const uint32_t want = (uint32_t)hf_f32_to_bf16_bits_soft(p) | ((uint32_t)hf_f32_to_bf16_bits_soft(q) << 16);
+        const float fp = __uint_as_float(p), fq = __uint_as_float(q);
+        const uint32_t any = hf_pack_bf16x2_any_nan(fp, fq);
+        const bool p_nan = (p & 0x7fffffffu) > 0x7f800000u, q_nan = (q & 0x7fffffffu) > 0x7f800000u;
+        const bool ok = hf_f32_to_bf16(fp).bits == hf_f32_to_bf16_bits_soft(p) && hf_pack_bf16x2(fp, fq) == want &&
+                        (p_nan || (any & 0xffffu) == (want & 0xffffu)) && (q_nan || (any >> 16) == (want >> 16));
+        if (!ok) {
             ++bad;
             first = p < first ? p : first;
         }
@@ -164,9 +174,9 @@ fn bf16_round_check(l: &CpuLaunch<'_>) -> Result<()> {
 /// near-empty kernel for overhead measurements), `hf_touch_dependent` (the same, for
 /// [`crate::Stream::launch_dependent`]), `hf_row_sum_bf16` (`x [rows, cols]` bf16 →
 /// `out [rows]` f32, one block per row; the CPU sum order differs, so compare within tolerance) and
-/// `hf_bf16_round_check` (the device's f32 → bf16 conversion against its integer definition over
-/// `hi_count · 2¹⁶` bit patterns from `hi_first << 16`; the CPU checks the definition against the
-/// `half` crate).
+/// `hf_bf16_round_check` (the device's f32 → bf16 conversions, single and paired, against their
+/// integer definition over `hi_count · 2¹⁶` bit patterns from `hi_first << 16`; the CPU checks
+/// the definition against the `half` crate).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {

@@ -402,8 +402,9 @@ fn a_forked_capture_replays_both_branches_in_order(dev: &Device) {
     side.synchronize().expect("sync");
 }
 
-/// The device's f32 → bf16 conversion (hardware rounding where the device has it) equals the
-/// integer definition for every f32 bit pattern on a GPU (2³² of them), and the definition
+/// The device's f32 → bf16 conversions (hardware rounding where the device has it; single and
+/// paired, `hf_pack_bf16x2*`) equal the integer definition for every f32 bit pattern on a GPU (2³²
+/// of them, each in both halves of a pair), and the definition
 /// equals the `half` crate's on the CPU backend (every pattern whose top half is one of a set
 /// covering zeros, subnormals, normals, the largest finite values, infinities and NaNs).
 fn bf16_rounding_follows_its_definition_for_every_pattern(dev: &Device) {
