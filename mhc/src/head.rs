@@ -57,7 +57,7 @@ impl MhcOps {
                 params.hc_eps.into(),
                 (p.tile_tokens as u32).into(),
                 (p.finish_tokens as u32).into(),
-                u32::from(p.resident_grid).into(),
+                p.flags().into(),
             ],
         )?;
         Ok(())

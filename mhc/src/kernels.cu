@@ -63,6 +63,8 @@ struct alignas(16) mhc_f32x4 {
 
 __device__ __forceinline__ float mhc_lo(uint32_t u) { return __uint_as_float(u << 16); }
 __device__ __forceinline__ float mhc_hi(uint32_t u) { return __uint_as_float(u & 0xffff0000u); }
+// Per element, not hf_pack_bf16x2: mhc_post, which is bound by memory, measured 5% slower on an
+// H200 with the paired conversion (fewer registers, a different schedule of its loads).
 __device__ __forceinline__ uint32_t mhc_pack(float a, float b) {
     return (uint32_t)hf_f32_to_bf16(a).bits | ((uint32_t)hf_f32_to_bf16(b).bits << 16);
 }
@@ -294,12 +296,17 @@ __device__ __forceinline__ MhcItem mhc_item(uint32_t p, uint32_t S, uint32_t F, 
     return it;
 }
 
+// Bits of the kernels' `resident` argument: the whole grid is resident at once; hc_head's
+// projection items finish their own h (grid = tiles x S, no finish items; decode sizes).
+#define MHC_RESIDENT_GRID 1u
+#define MHC_SELF_FINISH 2u
+
 // A block's ticket. When the host says the whole grid is resident at once (`resident`: at most
 // half the device's multiprocessors, each of which holds a block of any kernel here), no block can
 // wait on one that never starts, so the block index serves and the claim's round trip to L2 is
 // saved (decode-size launches); otherwise tickets come from the counter in launch order of claim.
 __device__ __forceinline__ uint32_t mhc_claim(uint32_t* sync, uint32_t resident) {
-    if (resident != 0u) return blockIdx.x;
+    if ((resident & MHC_RESIDENT_GRID) != 0u) return blockIdx.x;
     __shared__ uint32_t s_ticket;
     if (threadIdx.x == 0) {
         const uint32_t t = atomicAdd(&sync[0], 1u);
@@ -488,9 +495,10 @@ __device__ __forceinline__ uint32_t mhc_dynamic_smem() {
 }
 
 // The 8 h at h0 of `row` (zero past H, or all zero if !valid) into the lane's shared slot `dst`.
-__device__ __forceinline__ void mhc_piece(bool vec, uint32_t dst, const hf_bf16* row, const hf_bf16* safe,
-                                          uint32_t h0, uint32_t H, bool valid) {
-    if (vec) {
+template <bool VEC>
+__device__ __forceinline__ void mhc_piece(uint32_t dst, const hf_bf16* row, const hf_bf16* safe, uint32_t h0,
+                                          uint32_t H, bool valid) {
+    if (VEC) {
         hf_cp_async16(dst, valid ? (const void*)(row + h0) : (const void*)safe, valid ? 16u : 0u);
     } else {
         const mhc_u32x4 u = valid ? mhc_load8<false>(row, h0, H) : mhc_u32x4{0u, 0u, 0u, 0u};
@@ -512,8 +520,8 @@ __device__ __forceinline__ void mhc_sts16(uint32_t a, mhc_u32x4 u) {
 
 // Copies the pieces of m-tile tokens [tm, tm + 16) for this lane: piece p = 2 c + rr is stream c
 // (c = 4: x, fused only) of token tm + g + 8 rr, at slot + 512 p.
-template <int PC>
-__device__ __forceinline__ void mhc_mma_issue(bool vec, uint32_t slot, const hf_bf16* residual, const hf_bf16* x_in,
+template <int PC, bool VEC>
+__device__ __forceinline__ void mhc_mma_issue(uint32_t slot, const hf_bf16* residual, const hf_bf16* x_in,
                                               uint32_t H, uint32_t tm, uint32_t t_end, uint32_t g, uint32_t h0) {
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
@@ -521,19 +529,20 @@ __device__ __forceinline__ void mhc_mma_issue(bool vec, uint32_t slot, const hf_
         const bool valid = t < t_end && h0 < H;
 #pragma unroll
         for (int c = 0; c < MHC_N; ++c)
-            mhc_piece(vec, slot + 512u * (2 * c + rr), valid ? residual + (t * MHC_N + c) * H : residual, residual, h0,
-                           H, valid);
+            mhc_piece<VEC>(slot + 512u * (2 * c + rr), valid ? residual + (t * MHC_N + c) * H : residual, residual,
+                           h0, H, valid);
         if (PC > MHC_N)
-            mhc_piece(vec, slot + 512u * (2 * MHC_N + rr), valid ? x_in + t * H : x_in, x_in, h0, H, valid);
+            mhc_piece<VEC>(slot + 512u * (2 * MHC_N + rr), valid ? x_in + t * H : x_in, x_in, h0, H, valid);
     }
 }
 
-// `vec`: 16-byte copies and loads (H % 8 == 0, aligned pointers), else element loads; the same
-// values either way, so the same bits.
+// VEC: 16-byte copies and loads (H % 8 == 0, aligned pointers), else element loads; the same
+// values either way, so the same bits (a template parameter, so each executed path is one straight
+// run of instructions: at decode sizes the kernel's time goes to fetching them).
 // Every m-tile keeps its own stage (`stages` of them): the item's pieces stay in shared memory for
 // its outputs, the fused op's replaced by the post-mixed streams. ST - 1 m-tiles are in flight.
-template <int J, int ST, bool FUSED>
-__device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
+template <int J, int ST, bool FUSED, bool VEC>
+__device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
                                 const float* __restrict__ post_in, const float* __restrict__ comb_in,
                                 const float* __restrict__ fn, float* __restrict__ partials, uint32_t H, uint32_t S,
                                 uint32_t split, uint32_t t_begin, uint32_t t_end, uint32_t stages) {
@@ -552,7 +561,8 @@ __device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, 
     // The first m-tiles' copies go out before the weights are read.
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
-        if ((uint32_t)s < M) mhc_mma_issue<PC>(vec, slot + s * Smem::stage_bytes, residual, x_in, H, t_begin + 16 * s, t_end, g, h0);
+        if ((uint32_t)s < M)
+            mhc_mma_issue<PC, VEC>(slot + s * Smem::stage_bytes, residual, x_in, H, t_begin + 16 * s, t_end, g, h0);
         hf_cp_async_commit();
     }
 
@@ -566,16 +576,13 @@ __device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, 
             float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             if (n < (uint32_t)J && h0 < H) {
                 const float* src = fn + (uint64_t)n * D + (uint64_t)c * H + h0;
-                if (vec)
-                    mhc_load_f8<true>(src, 8, f);
-                else
-                    mhc_load_f8<false>(src, H - h0, f);
+                mhc_load_f8<VEC>(src, VEC ? 8u : H - h0, f);
             }
 #pragma unroll
             for (int w = 0; w < 4; ++w) {
-                const hf_bf16 a = hf_f32_to_bf16(f[2 * w]), b = hf_f32_to_bf16(f[2 * w + 1]);
-                bhi[c][nt][w] = (uint32_t)a.bits | ((uint32_t)b.bits << 16);
-                blo[c][nt][w] = hf_pack_bf16x2(f[2 * w] - hf_bf16_to_f32(a), f[2 * w + 1] - hf_bf16_to_f32(b));
+                const uint32_t hi = hf_pack_bf16x2_any_nan(f[2 * w], f[2 * w + 1]);
+                bhi[c][nt][w] = hi;
+                blo[c][nt][w] = hf_pack_bf16x2_any_nan(f[2 * w] - mhc_lo(hi), f[2 * w + 1] - mhc_hi(hi));
             }
         }
 
@@ -584,7 +591,7 @@ __device__ void mhc_project_mma(bool vec, const hf_bf16* __restrict__ residual, 
         {
             const uint32_t nm = m + ST - 1;
             if (nm < M)
-                mhc_mma_issue<PC>(vec, slot + nm * Smem::stage_bytes, residual, x_in, H,
+                mhc_mma_issue<PC, VEC>(slot + nm * Smem::stage_bytes, residual, x_in, H,
                                   t_begin + 16 * nm, t_end, g, h0);
             hf_cp_async_commit();
         }
@@ -706,6 +713,14 @@ __device__ __forceinline__ float mhc_rms_factor(float ss, uint32_t D, float eps)
     return 1.0f / sqrtf(ss / (float)D + eps);
 }
 
+// A stream gate from the split sums of its token: sigmoid(dot · rms factor · scale + base) + eps
+// (hc_head's gates, mhc_pre's pre gates). Every item that needs a gate computes it with this.
+__device__ __forceinline__ float mhc_stream_gate(float ss, float dot, uint32_t H, float scale, float base,
+                                                 float rms_eps, float eps) {
+    const float r = mhc_rms_factor(ss, MHC_N * H, rms_eps);
+    return mhc_sigmoid(fmaf(dot * r, scale, base)) + eps;
+}
+
 struct MhcPreArgs {
     const hf_bf16* x_in;      // fused only: sublayer output [T, H]
     const hf_bf16* residual;  // [T, n, H]
@@ -727,16 +742,17 @@ struct MhcPreArgs {
 // ---- hc_head -----------------------------------------------------------------------------------
 
 // out[t] = sum_i gate[t][i] rows_i[t] for tokens [t0, t0 + count) (FUSED: rows = the post-mix of
-// (x_in, residual) by coef, also stored to residual_out; else rows = residual), every chunk of h,
-// MHC_FINISH_UNROLL chunks per thread in flight (all their loads go out before any store).
+// (x_in, residual) by coef, also stored to residual_out; else rows = residual), chunks [c0, c0 +
+// chunks) of h (8 h each), MHC_FINISH_UNROLL chunks per thread in flight (all their loads go out
+// before any store).
 template <bool VEC, bool FUSED>
 __device__ __forceinline__ void mhc_weighted_rows(const hf_bf16* residual,  // may be residual_out
                                                   const hf_bf16* __restrict__ x_in,
                                                   const float (*coef)[MHC_N + MHC_N * MHC_N],
                                                   hf_bf16* residual_out, const float (*gate)[MHC_N],
                                                   hf_bf16* __restrict__ out, uint32_t H, uint32_t t0,
-                                                  uint32_t count) {
-    const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK, total = count * HC;
+                                                  uint32_t count, uint32_t c0, uint32_t chunks) {
+    const uint32_t HC = chunks, total = count * HC;
     constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;  // the streams, then x (fused)
     for (uint32_t i0 = threadIdx.x; i0 < total; i0 += MHC_THREADS * MHC_FINISH_UNROLL) {
         mhc_u32x4 src[MHC_FINISH_UNROLL][PC];
@@ -745,7 +761,7 @@ __device__ __forceinline__ void mhc_weighted_rows(const hf_bf16* residual,  // m
             const uint32_t idx = i0 + k * MHC_THREADS;
             if (idx < total) {
                 const uint64_t t = t0 + idx / HC;
-                const uint32_t h0 = (idx % HC) * MHC_CHUNK;
+                const uint32_t h0 = (c0 + idx % HC) * MHC_CHUNK;
 #pragma unroll
                 for (int i = 0; i < MHC_N; ++i) src[k][i] = mhc_load8<VEC>(residual + (t * MHC_N + i) * H, h0, H);
                 if (FUSED) src[k][PC - 1] = mhc_load8<VEC>(x_in + t * H, h0, H);
@@ -755,7 +771,7 @@ __device__ __forceinline__ void mhc_weighted_rows(const hf_bf16* residual,  // m
         for (int k = 0; k < MHC_FINISH_UNROLL; ++k) {
             const uint32_t idx = i0 + k * MHC_THREADS;
             if (idx >= total) continue;
-            const uint32_t u = idx / HC, h0 = (idx % HC) * MHC_CHUNK;
+            const uint32_t u = idx / HC, h0 = (c0 + idx % HC) * MHC_CHUNK;
             const uint64_t t = t0 + u;
             mhc_u32x4 rows[MHC_N];
 #pragma unroll
@@ -788,10 +804,52 @@ __device__ __forceinline__ void mhc_head_gates(const float* __restrict__ scale, 
     mhc_split_sums<MHC_N + 1>(partials, S, t0, count, s_sum);
     if (threadIdx.x < count * MHC_N) {
         const uint32_t u = threadIdx.x / MHC_N, i = threadIdx.x % MHC_N;
-        const float r = mhc_rms_factor(s_sum[u][0], MHC_N * H, rms_eps);
-        s_gate[u][i] = mhc_sigmoid(fmaf(s_sum[u][1 + i] * r, scale[0], base[i])) + hc_eps;
+        s_gate[u][i] = mhc_stream_gate(s_sum[u][0], s_sum[u][1 + i], H, scale[0], base[i], rms_eps, hc_eps);
     }
     __syncthreads();
+}
+
+// The stream gates of tokens [t0, t0 + count) into s_gate (then a barrier), for any count a thread
+// block covers: value 0 (sum of squares) and 1 + i of each token's partials (V values per split),
+// each summed in split order with MHC_SUM_BATCH loads before the first add, as mhc_split_sums
+// does, and the gate as mhc_stream_gate gives it: the bits of mhc_head_gates / mhc_pre_gates.
+template <int V>
+__device__ __forceinline__ void mhc_tile_gates(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
+                                               uint32_t H, const float* __restrict__ scale,
+                                               const float* __restrict__ base, float rms_eps, float eps,
+                                               float (*s_gate)[MHC_N]) {
+    for (uint32_t idx = threadIdx.x; idx < count * MHC_N; idx += MHC_THREADS) {
+        const uint32_t u = idx / MHC_N, i = idx % MHC_N;
+        const volatile float* p = partials + (uint64_t)(t0 + u) * S * V;
+        float ss = 0.0f, d = 0.0f;
+        for (uint32_t s0 = 0; s0 < S; s0 += MHC_SUM_BATCH) {
+            float bs[MHC_SUM_BATCH], bd[MHC_SUM_BATCH];
+#pragma unroll
+            for (int k = 0; k < MHC_SUM_BATCH; ++k) {
+                const bool in = s0 + k < S;
+                bs[k] = in ? p[(uint64_t)(s0 + k) * V] : 0.0f;
+                bd[k] = in ? p[(uint64_t)(s0 + k) * V + 1 + i] : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < MHC_SUM_BATCH; ++k)
+                if (s0 + k < S) {
+                    ss = (s0 + k == 0) ? bs[k] : ss + bs[k];
+                    d = (s0 + k == 0) ? bd[k] : d + bd[k];
+                }
+        }
+        s_gate[u][i] = mhc_stream_gate(ss, d, H, scale[0], base[i], rms_eps, eps);
+    }
+    __syncthreads();
+}
+
+// The tile's last item to leave resets its counter (S arrivals, then S departures) for the next
+// launch.
+__device__ __forceinline__ void mhc_leave(uint32_t* sync, uint32_t tile, uint32_t S) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const uint32_t d = atomicAdd(&sync[1 + 2 * tile], 1u);
+        if (d == 2 * S - 1) atomicExch(&sync[1 + 2 * tile], 0u);
+    }
 }
 
 template <bool VEC>
@@ -801,15 +859,36 @@ __device__ void mhc_head_finish(const hf_bf16* __restrict__ residual, const floa
                                 float rms_eps, float hc_eps) {
     __shared__ float s_gate[MHC_FINISH_MAX][MHC_N];
     mhc_head_gates(scale, base, partials, H, S, t0, count, rms_eps, hc_eps, s_gate);
-    mhc_weighted_rows<VEC, false>(residual, nullptr, nullptr, nullptr, s_gate, out, H, t0, count);
+    mhc_weighted_rows<VEC, false>(residual, nullptr, nullptr, nullptr, s_gate, out, H, t0, count, 0u,
+                                  (H + MHC_CHUNK - 1) / MHC_CHUNK);
 }
 
+// SELF (decode sizes, tiles of at most MHC_FINISH_MAX tokens): item (tile q, split s) = ticket q S
+// + s projects its split, waits for the tile's S projections, computes the tile's gates from the
+// partials and writes its own 256 h of every token, so no block reads whole rows; the outputs'
+// arithmetic is the finish items', so the bits are the same.
 template <bool VEC>
 __device__ void mhc_head_body(const hf_bf16* residual, const float* fn, const float* scale, const float* base,
                               hf_bf16* out, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps,
-                              float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens, uint32_t ticket) {
+                              float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens, uint32_t ticket,
+                              bool self) {
     const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
     const uint32_t Q = (T + tile_tokens - 1) / tile_tokens;
+    if (self) {
+        const uint32_t q = ticket / S, split = ticket % S;
+        const uint32_t t_begin = q * tile_tokens, t_end = min(T, t_begin + tile_tokens);
+        mhc_project<MHC_N, MHC_SUB_HEAD, MHC_TT_HEAD, MHC_UNROLL_HEAD, VEC, false>(
+            residual, nullptr, nullptr, nullptr, fn, partials, H, S, split, t_begin, t_end);
+        mhc_arrive(sync, q);
+        mhc_wait(sync, q, S);
+        __shared__ float s_gate[MHC_FINISH_MAX][MHC_N];
+        mhc_tile_gates<MHC_N + 1>(partials, S, t_begin, t_end - t_begin, H, scale, base, rms_eps, hc_eps, s_gate);
+        const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK, c0 = split * (MHC_SPLIT_H / MHC_CHUNK);
+        mhc_weighted_rows<VEC, false>(residual, nullptr, nullptr, nullptr, s_gate, out, H, t_begin, t_end - t_begin,
+                                      c0, min(HC - c0, (uint32_t)(MHC_SPLIT_H / MHC_CHUNK)));
+        mhc_leave(sync, q, S);
+        return;
+    }
     const uint32_t F = (tile_tokens + finish_tokens - 1) / finish_tokens;
     const MhcItem it = mhc_item(ticket, S, F, Q);
     const uint32_t t_begin = it.tile * tile_tokens;
@@ -851,7 +930,7 @@ __device__ __forceinline__ void mhc_pre_gates(const MhcPreArgs& a, uint32_t S, u
             const uint64_t t = t0 + u;
             a.comb_out[t * MHC_N * MHC_N + l] = c;
             if (l < MHC_N) {
-                const float pre = mhc_sigmoid(fmaf(s_sum[u][1 + l] * r, a.scale[0], a.base[l])) + a.pre_eps;
+                const float pre = mhc_stream_gate(ss, s_sum[u][1 + l], a.H, a.scale[0], a.base[l], a.rms_eps, a.pre_eps);
                 const float post = mhc_sigmoid(fmaf(s_sum[u][1 + MHC_N + l] * r, a.scale[1], a.base[MHC_N + l])) * a.post_mult;
                 s_pre[u][l] = pre;
                 a.post_out[t * MHC_N + l] = post;
@@ -874,7 +953,8 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
         }
     }
     __syncthreads();
-    mhc_weighted_rows<VEC, FUSED>(a.residual, a.x_in, s_coef, a.residual_out, s_pre, a.layer_input, a.H, t0, count);
+    mhc_weighted_rows<VEC, FUSED>(a.residual, a.x_in, s_coef, a.residual_out, s_pre, a.layer_input, a.H, t0, count,
+                                  0u, (a.H + MHC_CHUNK - 1) / MHC_CHUNK);
 }
 
 #if defined(HF_HAS_MMA)
@@ -882,13 +962,15 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
 //
 // Selected by finish_tokens = 0. Item (tile q, split s) = ticket q S + s; grid = tiles x S. The item
 // projects its tile's tokens over its split with every m-tile's pieces kept in shared memory, so
-// after the tile's gates are known it writes its own 256 h of the outputs from there. Two barriers
-// among the tile's S items (spin on counters 1 + 2q and 2 + 2q): (1) all partials are written; then
-// item s sums the partials of its share of the tile's tokens (ceil(tile / S) <= 16 of them), writes
-// post and comb (mhc_pre) and leaves the stream gates in partials[t][0][1 .. 4]; (2) all gates are
-// written. The items of a tile hold consecutive tickets and tickets are claimed by resident blocks,
-// so a tile's items can all be resident as long as the device holds S blocks at once (the host
-// takes this path only where it holds at least 2 S). The last item to leave resets both counters.
+// once all partials of the tile are written (one barrier among the tile's S items: a spin on
+// counter 1 + 2q) every item sums the stream-gate partials of the tile's tokens in split order
+// itself (the same sums and the same gate arithmetic as the finish items, so the same bits in every
+// item) and writes its own 256 h of the outputs from the resident pieces. Only then does item s
+// compute post and comb (mhc_pre; Sinkhorn) for its share of the tile's tokens (ceil(tile / S) <= 16
+// of them), so no item waits for another's Sinkhorn. The items of a tile hold consecutive tickets
+// and tickets are claimed by resident blocks, so a tile's items can all be resident as long as the
+// device holds S blocks at once (the host takes this path only where it holds at least 2 S). The
+// counter counts S arrivals then S departures; the last item to leave resets it.
 // Outputs use the finish items' arithmetic (gates, then the same fma chain per element).
 #define MHC_RES_TILE_MAX 128
 
@@ -900,8 +982,8 @@ __device__ __forceinline__ bool mhc_resident_launch_ok(uint32_t T, uint32_t S, u
     return tile <= MHC_RES_TILE_MAX && tile <= 16 * S && gridDim.x == Q * S && mhc_dynamic_smem() >= need;
 }
 
-template <int J, bool FUSED>
-__device__ void mhc_resident_item(const MhcPreArgs& a, bool vec, uint32_t ticket) {
+template <int J, bool FUSED, bool VEC>
+__device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
     constexpr int V = J + 1;
     constexpr bool HEAD = J == MHC_N;
     using Smem = MhcMmaSmem<1, FUSED ? MHC_N + 1 : MHC_N, V>;
@@ -909,37 +991,14 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, bool vec, uint32_t ticket
     const uint32_t q = ticket / S, split = ticket % S;
     const uint32_t t_begin = q * a.tile_tokens, t_end = min(a.T, t_begin + a.tile_tokens);
     const uint32_t count = t_end - t_begin, M = (count + 15) / 16;
-    mhc_project_mma<J, HEAD ? MHC_ST_HEAD : (FUSED ? MHC_ST_FUSED : MHC_ST_PRE), FUSED>(
-        vec, a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, H, S, split, t_begin, t_end,
+    mhc_project_mma<J, HEAD ? MHC_ST_HEAD : (FUSED ? MHC_ST_FUSED : MHC_ST_PRE), FUSED, VEC>(
+        a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, H, S, split, t_begin, t_end,
         (a.tile_tokens + 15) / 16);
     mhc_arrive(a.sync, q);
     mhc_wait(a.sync, q, S);
 
-    // (1) this item's share of the gates.
-    const uint32_t per = (count + S - 1) / S;
-    const uint32_t g0 = t_begin + split * per;
-    const uint32_t gc = g0 < t_end ? min(per, t_end - g0) : 0u;
-    __shared__ float s_g[MHC_FINISH_MAX][MHC_N];
-    if (HEAD)
-        mhc_head_gates(a.scale, a.base, a.partials, H, S, g0, gc, a.rms_eps, a.pre_eps, s_g);
-    else
-        mhc_pre_gates(a, S, g0, gc, s_g);
-    if (threadIdx.x < gc * MHC_N) {
-        const uint32_t u = threadIdx.x / MHC_N, i = threadIdx.x % MHC_N;
-        a.partials[(uint64_t)(g0 + u) * S * V + 1 + i] = s_g[u][i];
-    }
-    hf_block_release_add_u32(&a.sync[2 + 2 * q]);
-    if (threadIdx.x == 0) hf_acquire_until_u32(a.sync + 2 + 2 * q, S);
-    __syncthreads();
-
-    // (2) the tile's gates, then this item's 256 h of every output from the resident pieces.
     __shared__ float s_tile[MHC_RES_TILE_MAX][MHC_N];
-    for (uint32_t idx = threadIdx.x; idx < count * MHC_N; idx += MHC_THREADS) {
-        const uint32_t u = idx / MHC_N, i = idx % MHC_N;
-        const volatile float* p = a.partials + (uint64_t)(t_begin + u) * S * V + 1 + i;
-        s_tile[u][i] = *p;
-    }
-    __syncthreads();
+    mhc_tile_gates<V>(a.partials, S, t_begin, count, H, a.scale, a.base, a.rms_eps, a.pre_eps, s_tile);
     extern __shared__ __align__(16) unsigned char mhc_dyn[];
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, qd = lane % 4;
     const uint32_t h0 = split * MHC_SPLIT_H + warp * 32 + qd * 8;
@@ -958,10 +1017,7 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, bool vec, uint32_t ticket
                     const mhc_u32x4 piece = mhc_lds16(base + 512u * (2 * i + rr));
                     if (FUSED) {
                         hf_bf16* row = a.residual_out + (t * MHC_N + i) * H;
-                        if (vec)
-                            mhc_store8<true>(row, h0, H, piece);
-                        else
-                            mhc_store8<false>(row, h0, H, piece);
+                        mhc_store8<VEC>(row, h0, H, piece);
                     }
                     float v[8];
                     mhc_unpack(piece, v);
@@ -969,22 +1025,21 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, bool vec, uint32_t ticket
 #pragma unroll
                     for (int e = 0; e < 8; ++e) acc[e] = fmaf(gi, v[e], acc[e]);
                 }
-                if (vec)
-                    mhc_store8<true>(a.layer_input + t * H, h0, H, mhc_repack(acc));
-                else
-                    mhc_store8<false>(a.layer_input + t * H, h0, H, mhc_repack(acc));
+                mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
             }
         }
     }
-    // Leave: the tile's last item resets both counters for the next launch.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const uint32_t d = atomicAdd(&a.sync[1 + 2 * q], 1u);
-        if (d == 2 * S - 1) {
-            atomicExch(&a.sync[1 + 2 * q], 0u);
-            atomicExch(&a.sync[2 + 2 * q], 0u);
+    // Post and comb (Sinkhorn) of this item's share of the tile's tokens.
+    if (!HEAD) {
+        const uint32_t per = (count + S - 1) / S;
+        const uint32_t g0 = t_begin + split * per;
+        const uint32_t gc = g0 < t_end ? min(per, t_end - g0) : 0u;
+        if (gc > 0) {
+            __shared__ float s_g[MHC_FINISH_MAX][MHC_N];
+            mhc_pre_gates(a, S, g0, gc, s_g);
         }
     }
+    mhc_leave(a.sync, q, S);
 }
 #endif
 
@@ -1022,7 +1077,11 @@ __device__ __forceinline__ void mhc_pre_entry(const MhcPreArgs& a) {
     constexpr int J = MHC_N * (MHC_N + 2);
     if (a.finish_tokens == 0) {
         if (!mhc_resident_launch_ok<J, FUSED>(a.T, S, a.tile_tokens)) return;
-        mhc_resident_item<J, FUSED>(a, vec, mhc_claim(a.sync, a.resident));
+        const uint32_t ticket = mhc_claim(a.sync, a.resident);
+        if (vec)
+            mhc_resident_item<J, FUSED, true>(a, ticket);
+        else
+            mhc_resident_item<J, FUSED, false>(a, ticket);
         return;
     }
 #endif
@@ -1052,20 +1111,25 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
         a.residual = residual; a.fn = fn; a.scale = scale; a.base = base; a.layer_input = out;
         a.partials = partials; a.sync = sync; a.T = T; a.H = H; a.tile_tokens = tile_tokens;
         a.resident = resident; a.rms_eps = rms_eps; a.pre_eps = hc_eps;
-        mhc_resident_item<MHC_N, false>(a, vec, mhc_claim(sync, resident));
+        const uint32_t ticket = mhc_claim(sync, resident);
+        if (vec)
+            mhc_resident_item<MHC_N, false, true>(a, ticket);
+        else
+            mhc_resident_item<MHC_N, false, false>(a, ticket);
         return;
     }
 #endif
     if (finish_tokens == 0 || finish_tokens > MHC_FINISH_MAX) return;
+    const bool self = (resident & MHC_SELF_FINISH) != 0u;
     const uint32_t F = (tile_tokens + finish_tokens - 1) / finish_tokens;
-    if (gridDim.x != Q * (S + F)) return;
+    if (self ? (tile_tokens > MHC_FINISH_MAX || gridDim.x != Q * S) : gridDim.x != Q * (S + F)) return;
     const uint32_t ticket = mhc_claim(sync, resident);
     if (vec)
         mhc_head_body<true>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
-                            finish_tokens, ticket);
+                            finish_tokens, ticket, self);
     else
         mhc_head_body<false>(residual, fn, scale, base, out, partials, sync, T, H, rms_eps, hc_eps, tile_tokens,
-                             finish_tokens, ticket);
+                             finish_tokens, ticket, self);
 }
 
 // (post [T, n], comb [T, n, n], layer_input [T, H]) = mhc_pre(residual [T, n, H]).

@@ -104,6 +104,17 @@ pub(crate) struct ReducePlan {
     /// The grid is at most half the multiprocessors (every kernel here fits at least one block
     /// on each), so all of it is resident at once and blocks may take their index as ticket.
     pub resident_grid: bool,
+    /// `hc_head` at decode sizes: one tile of every token, `S` projection items that each write
+    /// their own 256 h after the tile's projections are in (no finish items; grid `S`).
+    pub self_finish: bool,
+}
+
+impl ReducePlan {
+    /// The kernels' `resident` argument: bit 0 [`Self::resident_grid`], bit 1
+    /// [`Self::self_finish`] (`MHC_RESIDENT_GRID`, `MHC_SELF_FINISH` in `kernels.cu`).
+    pub(crate) fn flags(&self) -> u32 {
+        u32::from(self.resident_grid) | (u32::from(self.self_finish) << 1)
+    }
 }
 
 /// Whether a grid of `blocks` is small enough to be resident all at once with room to spare.
@@ -123,6 +134,9 @@ pub(crate) struct ReduceShape {
 }
 
 /// Plans a split-reduction launch for `tokens > 0`.
+///
+/// `hc_head` without tensor cores at decode sizes (`T ≤ 16`, `2·S` ≤ the multiprocessors, no
+/// forced tile): [`ReducePlan::self_finish`].
 ///
 /// Resident items (tensor cores, where they fit): tiles of whole m-tiles (16 tokens), at most
 /// [`Reduce::resident_tile_max`] and `16·S` (each item finishes at most 16 of its tile's tokens),
@@ -148,7 +162,19 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         let mut config = LaunchConfig::blocks(u32::try_from(tiles * s).unwrap_or(u32::MAX), THREADS);
         config.shared_mem_bytes = resident_shared_bytes(kind, tile);
         let resident_grid = resident_grid(tiles * s, units);
-        return ReducePlan { tile_tokens: tile, finish_tokens: 0, tiles, config, resident_grid };
+        return ReducePlan { tile_tokens: tile, finish_tokens: 0, tiles, config, resident_grid, self_finish: false };
+    }
+    if kind == Reduce::Head && shape.tile_tokens.is_none() && tokens <= FINISH_MAX && resident_grid(s, units) {
+        // Decode sizes: the projection items finish their own h; the grid is resident at once.
+        let config = LaunchConfig::blocks(s as u32, THREADS);
+        return ReducePlan {
+            tile_tokens: tokens,
+            finish_tokens: tokens,
+            tiles: 1,
+            config,
+            resident_grid: true,
+            self_finish: true,
+        };
     }
     let pass = WARPS * kind.tokens_per_slot();
     let tiles_wanted = (2 * units).div_ceil(s).max(1);
@@ -173,6 +199,7 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         tiles,
         config: LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS),
         resident_grid: resident_grid(blocks, units),
+        self_finish: false,
     }
 }
 
@@ -230,7 +257,16 @@ mod tests {
                             if let Some(f) = forced {
                                 assert_eq!(p.tile_tokens, f.min(kind.resident_tile_max().min(16 * s)).min(tokens));
                             }
+                        } else if p.self_finish {
+                            assert!(kind == Reduce::Head && forced.is_none() && tokens <= FINISH_MAX);
+                            assert_eq!((p.tiles, p.tile_tokens, p.finish_tokens), (1, tokens, tokens));
+                            assert_eq!(p.config.grid.0 as usize, s);
+                            assert!(p.resident_grid && p.flags() == 3);
+                            assert_eq!(p.config.shared_mem_bytes, 0);
                         } else {
+                            assert!(
+                                !(kind == Reduce::Head && forced.is_none() && tokens <= FINISH_MAX && 2 * s <= units)
+                            );
                             assert!(p.finish_tokens >= 1 && p.finish_tokens <= FINISH_MAX.min(p.tile_tokens));
                             let f = p.tile_tokens.div_ceil(p.finish_tokens);
                             assert_eq!(p.config.grid.0 as usize, p.tiles * (s + f));

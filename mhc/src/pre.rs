@@ -60,7 +60,7 @@ impl MhcOps {
                 params.sinkhorn_iters.into(),
                 (p.tile_tokens as u32).into(),
                 (p.finish_tokens as u32).into(),
-                u32::from(p.resident_grid).into(),
+                p.flags().into(),
             ],
         )?;
         Ok(())
