@@ -30,6 +30,14 @@ pub(crate) enum Reduce {
 
 /// Tokens of one tensor-core m-tile.
 const MMA_ROWS: usize = 16;
+/// Largest resident tile sized to fill the device about once; larger ones (up to
+/// [`Reduce::resident_tile_max`]) are taken only where they need fewer waves of blocks.
+const RESIDENT_FILL_MAX: usize = 64;
+/// A resident block's time that does not grow with its tile (loading and splitting its `fn`
+/// slice, the barrier, the gates), in tokens of tile work: `mhc_pre` on an H200 measured about
+/// 10–12 µs per wave of blocks plus 0.15 µs per token of the tile (tiles of 64 and 96).
+/// Where one fill's tile is smaller than the largest, the plan compares the two only.
+const RESIDENT_FIXED_TOKENS: usize = 70;
 
 impl Reduce {
     /// Tokens one 32-lane slot covers per pass of the portable projection: token groups (32 /
@@ -65,11 +73,13 @@ impl Reduce {
         }
     }
 
-    /// Largest resident tile: what [`Self::resident_blocks_per_unit`] blocks' shared memory holds.
+    /// Largest resident tile: what [`Self::resident_blocks_per_unit`] blocks' shared memory holds
+    /// (a tile of more than [`RESIDENT_FILL_MAX`] tokens only where it saves waves, see [`reduce`]).
     fn resident_tile_max(self) -> usize {
         match self {
             Reduce::Head => 32,
-            Reduce::Pre | Reduce::Fused => 64,
+            Reduce::Pre => 96,
+            Reduce::Fused => 64,
         }
     }
 }
@@ -140,7 +150,9 @@ pub(crate) struct ReduceShape {
 ///
 /// Resident items (tensor cores, where they fit): tiles of whole m-tiles (16 tokens), at most
 /// [`Reduce::resident_tile_max`] and `16·S` (each item finishes at most 16 of its tile's tokens),
-/// sized so that the items fill the resident blocks about once. Portable: enough projection items
+/// sized so that the items fill the resident blocks about once (at most [`RESIDENT_FILL_MAX`]),
+/// or the largest tile where that needs enough fewer waves of blocks (each costing
+/// [`RESIDENT_FIXED_TOKENS`] plus the tile). Portable: enough projection items
 /// to give every multiprocessor about two, tiles of whole passes (8 warps × the tokens of a warp)
 /// up to 128 tokens, and finish items of `ceil(T / 2·units)` tokens (1 to 16, at most the tile), so
 /// that the finish items, which read whole rows, also give every multiprocessor about two.
@@ -153,8 +165,18 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         let tile = match shape.tile_tokens {
             Some(t) => t.clamp(1, cap),
             None => {
-                let want = (tokens * s).div_ceil(units * kind.resident_blocks_per_unit());
-                (want.div_ceil(MMA_ROWS) * MMA_ROWS).clamp(1, cap)
+                let per_wave = units * kind.resident_blocks_per_unit();
+                let want = (tokens * s).div_ceil(per_wave);
+                let fill = (want.div_ceil(MMA_ROWS) * MMA_ROWS).clamp(1, cap.min(RESIDENT_FILL_MAX));
+                // The largest tile where it saves enough waves: a wave costs its blocks' fixed time
+                // plus their tile's work. (Tiles between the two measured slower: 80 tokens at
+                // H 7168, T 1024 took 93.2 µs against 86.5 for 64 and 84.8 for 96.)
+                let cost = |t: usize| (tokens.div_ceil(t) * s).div_ceil(per_wave) * (RESIDENT_FIXED_TOKENS + t);
+                if cap > fill && cost(cap) < cost(fill) {
+                    cap
+                } else {
+                    fill
+                }
             }
         }
         .min(tokens.max(1));
@@ -282,10 +304,27 @@ mod tests {
     }
 
     #[test]
+    fn resident_tiles_grow_past_one_fill_only_where_they_save_waves() {
+        let shape = ReduceShape { mma: true, head_mma: true, tile_tokens: None };
+        let tile = |kind, t, h| reduce(kind, t, h, 132, shape).tile_tokens;
+        // mhc_pre, H 4096 (16 splits): 1024 tokens fit two waves of 64-token tiles (256 blocks)
+        // and two of 96 (176): 64; from 4096 tokens 96-token tiles need fewer waves.
+        for (t, want) in [(1, 1), (8, 8), (64, 16), (256, 32), (1024, 64), (4096, 96), (16_384, 96)] {
+            assert_eq!(tile(Reduce::Pre, t, 4096), want, "mhc_pre T = {t}");
+        }
+        // H 7168 (28 splits), 1024 tokens: 64 → 448 blocks, 4 waves; 96 → 308 blocks, 3 waves.
+        assert_eq!(tile(Reduce::Pre, 1024, 7168), 96);
+        // The fused op's and hc_head's shared memory holds no larger tile than one fill's.
+        assert_eq!(tile(Reduce::Fused, 16_384, 4096), 64);
+        assert_eq!(tile(Reduce::Head, 16_384, 4096), 32);
+    }
+
+    #[test]
     fn resident_shared_memory_fits_and_matches_the_kernel() {
         // mhc_resident_launch_ok in kernels.cu: ceil(tile / 16) stages + 1024·V bytes.
         assert_eq!(resident_shared_bytes(Reduce::Head, 32), 2 * 32 * 1024 + 5 * 1024);
         assert_eq!(resident_shared_bytes(Reduce::Pre, 64), 4 * 32 * 1024 + 25 * 1024);
+        assert_eq!(resident_shared_bytes(Reduce::Pre, 96), 6 * 32 * 1024 + 25 * 1024);
         assert_eq!(resident_shared_bytes(Reduce::Fused, 64), 4 * 40 * 1024 + 25 * 1024);
         assert_eq!(resident_shared_bytes(Reduce::Pre, 1), 32 * 1024 + 25 * 1024);
         // Static shared memory of the kernels is under 8 KiB; the largest tiles fit the blocks per
