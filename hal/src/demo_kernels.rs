@@ -58,7 +58,7 @@ HF_KERNEL void hf_row_sum_bf16(const hf_bf16* x, float* out, uint32_t rows, uint
 // through hf_f32_to_bf16 against the integer definition, and through the pair conversions with p
 // in the low half and its halves swapped (every pattern again, NaN beside number included) in the
 // high half: hf_pack_bf16x2 against the definition in both halves, hf_pack_bf16x2_any_nan in every
-// half that is not a NaN's. out[0] += the mismatches, out[1] = min(out[1], the smallest pattern p
+// half that is not a NaN's and a NaN in every half that is. out[0] += the mismatches, out[1] = min(out[1], the smallest pattern p
 // with one). out starts as {0, 0xffffffff}.
 HF_KERNEL void hf_bf16_round_check(uint32_t* out, uint32_t hi_first, uint32_t hi_count) {
     const uint64_t total = (uint64_t)hi_count << 16;
@@ -70,8 +70,10 @@ HF_KERNEL void hf_bf16_round_check(uint32_t* out, uint32_t hi_first, uint32_t hi
         const float fp = __uint_as_float(p), fq = __uint_as_float(q);
         const uint32_t any = hf_pack_bf16x2_any_nan(fp, fq);
         const bool p_nan = (p & 0x7fffffffu) > 0x7f800000u, q_nan = (q & 0x7fffffffu) > 0x7f800000u;
+        const uint32_t any_lo = any & 0xffffu, any_hi = any >> 16;
         const bool ok = hf_f32_to_bf16(fp).bits == hf_f32_to_bf16_bits_soft(p) && hf_pack_bf16x2(fp, fq) == want &&
-                        (p_nan || (any & 0xffffu) == (want & 0xffffu)) && (q_nan || (any >> 16) == (want >> 16));
+                        (p_nan ? (any_lo & 0x7fffu) > 0x7f80u : any_lo == (want & 0xffffu)) &&
+                        (q_nan ? (any_hi & 0x7fffu) > 0x7f80u : any_hi == (want >> 16));
         if (!ok) {
             ++bad;
             first = p < first ? p : first;

@@ -20,9 +20,13 @@
 // tensor-core path's): a projection item (tile of tokens, split) writes partials; a
 // finish item (tile, group of tokens) waits until all S projection items of its tile arrived, sums
 // the partials, computes the gates (and Sinkhorn) and writes the outputs. Items are ordered
-// A(0) A(1) F(0) A(2) F(1) ... F(Q-1), so a finish item rarely waits. Counters live in `sync`:
-// [0] ticket, [1 + 2q] arrivals of tile q, [2 + 2q] departures of tile q; the last block to use a
-// counter resets it, so every launch leaves `sync` zeroed for the next (graph replays included).
+// A(0) A(1) F(0) A(2) F(1) ... F(Q-1), so a finish item rarely waits. At decode sizes hc_head
+// takes self-finishing projection items instead (MHC_SELF_FINISH: each writes its own 256 h of
+// the tile after the tile's projections are in; no finish items). Counters live in `sync`: [0]
+// ticket; finish items: [1 + 2q] arrivals of tile q, [2 + 2q] departures of its finish items;
+// self-finishing and resident items: [1 + 2q] S arrivals, then S departures (2 + 2q unused). The
+// last block to use a counter resets it, so every launch leaves `sync` zeroed for the next (graph
+// replays included).
 
 #define MHC_N 4
 #define MHC_CHUNK 8
@@ -301,7 +305,8 @@ __device__ __forceinline__ MhcItem mhc_item(uint32_t p, uint32_t S, uint32_t F, 
 #define MHC_RESIDENT_GRID 1u
 #define MHC_SELF_FINISH 2u
 
-// A block's ticket. When the host says the whole grid is resident at once (`resident`: at most
+// A block's ticket. When the host says the whole grid is resident at once (bit MHC_RESIDENT_GRID
+// of the `resident` flags: at most
 // half the device's multiprocessors, each of which holds a block of any kernel here), no block can
 // wait on one that never starts, so the block index serves and the claim's round trip to L2 is
 // saved (decode-size launches); otherwise tickets come from the counter in launch order of claim.
@@ -972,14 +977,20 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
 // device holds S blocks at once (the host takes this path only where it holds at least 2 S). The
 // counter counts S arrivals then S departures; the last item to leave resets it.
 // Outputs use the finish items' arithmetic (gates, then the same fma chain per element).
-#define MHC_RES_TILE_MAX 128
+
+// Largest resident tile per kernel (plan.rs: Reduce::resident_tile_max): hc_head 32, mhc_pre 96,
+// the fused op 64; s_tile is sized by it.
+template <int J, bool FUSED>
+struct MhcResTile {
+    static constexpr uint32_t max = J == MHC_N ? 32u : (FUSED ? 64u : 96u);
+};
 
 template <int J, bool FUSED>
 __device__ __forceinline__ bool mhc_resident_launch_ok(uint32_t T, uint32_t S, uint32_t tile) {
     using Smem = MhcMmaSmem<1, FUSED ? MHC_N + 1 : MHC_N, J + 1>;
     const uint32_t need = ((tile + 15) / 16) * Smem::stage_bytes + (Smem::bytes - Smem::stage_bytes);
     const uint32_t Q = (T + tile - 1) / tile;
-    return tile <= MHC_RES_TILE_MAX && tile <= 16 * S && gridDim.x == Q * S && mhc_dynamic_smem() >= need;
+    return tile <= MhcResTile<J, FUSED>::max && tile <= 16 * S && gridDim.x == Q * S && mhc_dynamic_smem() >= need;
 }
 
 template <int J, bool FUSED, bool VEC>
@@ -997,7 +1008,7 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
     mhc_arrive(a.sync, q);
     mhc_wait(a.sync, q, S);
 
-    __shared__ float s_tile[MHC_RES_TILE_MAX][MHC_N];
+    __shared__ float s_tile[MhcResTile<J, FUSED>::max][MHC_N];
     mhc_tile_gates<V>(a.partials, S, t_begin, count, H, a.scale, a.base, a.rms_eps, a.pre_eps, s_tile);
     extern __shared__ __align__(16) unsigned char mhc_dyn[];
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, qd = lane % 4;

@@ -196,8 +196,9 @@ fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 /// (grid `tiles · (S + ceil(tile_tokens / finish_tokens))`). The CPU references accept only the
 /// latter, which is all the CPU backend is given. `resident` holds flags: bit 0 tells the kernel
 /// that the whole grid is resident at once (the plan's `resident_grid`), so blocks take their
-/// index as ticket; bit 1 (`hc_head` only, with bit 0, one tile of at most 16 tokens) makes the
-/// grid `S` projection items that each write their own 256 h of the outputs (no finish items).
+/// index as ticket; bit 1 (`hc_head` only, tiles of at most 16 tokens; the plan gives one tile
+/// with bit 0 set) makes the grid `tiles · S` projection items that each write their own 256 h of
+/// the outputs (no finish items).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {

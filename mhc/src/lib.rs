@@ -45,21 +45,23 @@
 //! function of `T` (see [`MhcOps::launch_config`]), so a graph captured at a padded `T` replays the
 //! same launch. The split-reduction kernels claim work items from a ticket counter; a finish item
 //! waits only for items claimed before it, and a resident item only for the other items of its
-//! tile, which hold the neighbouring tickets and fit on the device together, so neither can
-//! deadlock. Every counter is reset by its last user, so each launch leaves the workspace ready for
-//! the next, graph replays included.
+//! tile, which hold the neighbouring tickets and fit on the device together (as do `hc_head`'s
+//! self-finishing items at decode sizes, whose whole grid is resident), so none can deadlock.
+//! Every counter is reset by its last user, so each launch leaves the workspace ready for the
+//! next, graph replays included.
 //!
 //! ## Kernel design (memory-bound; one launch per op)
 //! - `mhc_pre`, `mhc_fused_post_pre` (and `hc_head` when asked) on tensor cores (NVIDIA sm_80+): blocks of 256
-//!   threads, one *resident item* per (tile of up to 32 (`hc_head`) or 64 tokens, split of 256
-//!   `h`). Each warp owns 32 `h` of all 4 streams and holds its weights as mma fragments; the
-//!   tile's rows are copied into shared memory with `cp.async` (three or four m-tiles of 16 ahead)
-//!   and stay there. After two barriers among the tile's items (partials written; then each item
-//!   has turned the partials of its share of the tokens into gates, Sinkhorn included) every item
-//!   writes its own 256 `h` of the outputs from shared memory: the residual is read from memory
-//!   once. A tile's items wait for each other, so this path runs where the device holds at least
-//!   twice `ceil(H / 256)` blocks at once ([`MhcOps::uses_tensor_cores`]). 69–185 KB of dynamic
-//!   shared memory per block. Grid: `tiles · splits`.
+//!   threads, one *resident item* per (tile of up to 32 (`hc_head`), 96 (`mhc_pre`) or 64 (fused)
+//!   tokens, as the device's shared memory allows, split of 256 `h`). Each warp owns 32 `h` of all
+//!   4 streams and holds its weights as mma fragments; the tile's rows are copied into shared
+//!   memory with `cp.async` (three or four m-tiles of 16 ahead) and stay there. After one barrier
+//!   among the tile's items (all partials written) every item sums the gate partials of the
+//!   tile's tokens itself and writes its own 256 `h` of the outputs from shared memory: the
+//!   residual is read from memory once. Then each item computes post and comb (Sinkhorn) for its
+//!   share of the tokens. A tile's items wait for each other, so this path runs where the device
+//!   holds at least twice `ceil(H / 256)` blocks at once ([`MhcOps::uses_tensor_cores`]). Up to
+//!   217 KB of dynamic shared memory per block. Grid: `tiles · splits`.
 //! - The same ops elsewhere (portable path): a *projection item* (tile of up to 128 tokens × one
 //!   split) accumulates Σx² and the `n` (or `n(n+2)`) dot products per token and writes per-split
 //!   partials: `hc_head` gives each token 32 lanes × 2 quads per split (a register tile of 2
@@ -68,7 +70,9 @@
 //!   16 tokens) waits for its tile's projection items, sums the partials, computes the gates (and
 //!   the Sinkhorn, 16 lanes per token), and writes the weighted stream sum, reading the residual
 //!   a second time (from L2 while it is there), four 16-byte chunks per thread in flight. Grid:
-//!   `tiles · (splits + finish items per tile)`.
+//!   `tiles · (splits + finish items per tile)`. `hc_head` at decode sizes (T ≤ 16) instead lets
+//!   its `splits` projection items wait for each other, as resident items do, and each write its
+//!   own 256 `h` (no block reads whole rows). Grid: `splits`.
 //! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.
 //! - Rows that are not 16-byte aligned or `H % 8 != 0` take element loads with the same
 //!   arithmetic (the same bits).

@@ -121,7 +121,8 @@ impl MhcOps {
         let sync = device.alloc_zeroed::<u32>("mhc.sync", 1 + 2 * t, true)?;
         let units = (device.info().compute_units as usize).max(1);
         let has_mma = device.info().has_bf16_mma();
-        let shape = plan::ReduceShape { mma: has_mma, head_mma: false, tile_tokens: None };
+        let max_shared = device.info().max_shared_mem_per_block;
+        let shape = plan::ReduceShape { mma: has_mma, head_mma: false, tile_tokens: None, max_shared };
         Ok(MhcOps { kernels: kernels.clone(), config, units, shape, has_mma, partials, sync })
     }
 
@@ -134,14 +135,19 @@ impl MhcOps {
 
     /// Whether `op` runs on tensor cores (resident items): its [`MhcProjection`] choice, on an
     /// sm_80+ device that holds twice the `ceil(H / 256)` blocks a tile's items need at once
-    /// (every H up to 16896 on an H200). Never for `mhc_post`, which has no reduction.
+    /// (every H up to 16896 on an H200) and whose blocks' shared memory holds one m-tile's stage. Never for `mhc_post`, which has no reduction.
     pub fn uses_tensor_cores(&self, op: MhcOp) -> bool {
         let chosen = match op {
             MhcOp::HcHead => self.shape.head_mma,
             MhcOp::Pre | MhcOp::FusedPostPre => self.shape.mma,
             MhcOp::Post => false,
         };
-        chosen && plan::resident_fits(self.config.hidden, self.units)
+        let kind = match op {
+            MhcOp::HcHead => Reduce::Head,
+            MhcOp::Pre => Reduce::Pre,
+            _ => Reduce::Fused,
+        };
+        chosen && plan::resident_fits(kind, self.config.hidden, self.units, self.shape.max_shared)
     }
 
     /// Forces the tokens per projection tile (`1..=128`; `None`: the plan's choice, a function of

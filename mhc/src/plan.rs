@@ -93,19 +93,40 @@ pub(crate) fn resident_shared_bytes(kind: Reduce, tile: usize) -> u32 {
     (tile.div_ceil(MMA_ROWS) * stage + red) as u32
 }
 
-/// Whether the resident (tensor-core) items can run for `hidden`: a tile's `S` items wait for each
-/// other, so the device must hold them all at once; it is asked to hold twice as many.
-pub(crate) fn resident_fits(hidden: usize, units: usize) -> bool {
-    2 * splits(hidden) <= units
+/// Static shared memory the resident kernels may declare besides the dynamic stages, bytes (the
+/// kernels declare under 7 KiB; the HAL gives each kernel the device's limit less its static).
+const RESIDENT_STATIC_MAX: usize = 8 * 1024;
+
+/// Largest resident tile of `kind` on a device whose blocks may use `max_shared` bytes of shared
+/// memory: [`Reduce::resident_tile_max`] or the most whole m-tiles that fit (0: none fits).
+pub(crate) fn resident_cap(kind: Reduce, max_shared: u32) -> usize {
+    let mut tile = kind.resident_tile_max();
+    while tile >= MMA_ROWS && resident_shared_bytes(kind, tile) as usize + RESIDENT_STATIC_MAX > max_shared as usize {
+        tile -= MMA_ROWS;
+    }
+    if tile < MMA_ROWS {
+        0
+    } else {
+        tile
+    }
+}
+
+/// Whether the resident (tensor-core) items of `kind` can run for `hidden`: a tile's `S` items
+/// wait for each other, so the device must hold them all at once (it is asked to hold twice as
+/// many), and one m-tile's stage must fit a block's shared memory.
+pub(crate) fn resident_fits(kind: Reduce, hidden: usize, units: usize, max_shared: u32) -> bool {
+    2 * splits(hidden) <= units && resident_cap(kind, max_shared) > 0
 }
 
 /// Shape of one split-reduction launch: `tiles · (splits + finish_per_tile)` blocks, or
-/// `tiles · splits` resident items (`finish_tokens == 0`).
+/// `tiles · splits` resident items (`finish_tokens == 0`), or `splits` self-finishing projection
+/// items (one tile; [`Self::self_finish`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ReducePlan {
     /// Tokens per projection tile.
     pub tile_tokens: usize,
-    /// Tokens per finish item; 0 selects the resident items.
+    /// Tokens per finish item; 0 selects the resident items (`tile_tokens` when self-finishing:
+    /// no finish items run).
     pub finish_tokens: usize,
     /// Tiles: `ceil(T / tile_tokens)` (counters needed: `1 + 2·tiles`).
     pub tiles: usize,
@@ -141,6 +162,9 @@ pub(crate) struct ReduceShape {
     pub head_mma: bool,
     /// Tokens per tile forced by the caller (`1..=128`), else the plan's choice.
     pub tile_tokens: Option<usize>,
+    /// Most dynamic shared memory a block may use on the device, bytes
+    /// (`DeviceInfo::max_shared_mem_per_block`): it caps the resident tiles.
+    pub max_shared: u32,
 }
 
 /// Plans a split-reduction launch for `tokens > 0`.
@@ -160,8 +184,8 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
     let s = splits(hidden);
     let units = units.max(1);
     let mma = if kind == Reduce::Head { shape.head_mma } else { shape.mma };
-    if mma && resident_fits(hidden, units) {
-        let cap = kind.resident_tile_max().min(MMA_ROWS * s).min(TILE_MAX);
+    if mma && resident_fits(kind, hidden, units, shape.max_shared) {
+        let cap = resident_cap(kind, shape.max_shared).min(MMA_ROWS * s).min(TILE_MAX);
         let tile = match shape.tile_tokens {
             Some(t) => t.clamp(1, cap),
             None => {
@@ -172,7 +196,7 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
                 // plus their tile's work. (Tiles between the two measured slower: 80 tokens at
                 // H 7168, T 1024 took 93.2 µs against 86.5 for 64 and 84.8 for 96.)
                 let cost = |t: usize| (tokens.div_ceil(t) * s).div_ceil(per_wave) * (RESIDENT_FIXED_TOKENS + t);
-                if cap > fill && cost(cap) < cost(fill) {
+                if kind == Reduce::Pre && cap == kind.resident_tile_max() && cap > fill && cost(cap) < cost(fill) {
                     cap
                 } else {
                     fill
@@ -262,14 +286,19 @@ mod tests {
                             tokens,
                             hidden,
                             units,
-                            ReduceShape { mma, head_mma: mma, tile_tokens: forced },
+                            ReduceShape {
+                                mma,
+                                head_mma: mma,
+                                tile_tokens: forced,
+                                max_shared: holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK,
+                            },
                         );
                         let s = splits(hidden);
                         assert_eq!(p.resident_grid, 2 * p.config.grid.0 as usize <= units);
                         assert!(p.tile_tokens >= 1 && p.tile_tokens <= TILE_MAX);
                         assert!(p.tiles * p.tile_tokens >= tokens && (p.tiles - 1) * p.tile_tokens < tokens);
                         assert_eq!(p.config.block, (THREADS, 1, 1));
-                        if mma && resident_fits(hidden, units) {
+                        if mma && resident_fits(kind, hidden, units, holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK) {
                             assert_eq!(p.finish_tokens, 0);
                             assert!(p.tile_tokens <= kind.resident_tile_max().min(16 * s));
                             assert_eq!(p.config.grid.0 as usize, p.tiles * s);
@@ -305,7 +334,12 @@ mod tests {
 
     #[test]
     fn resident_tiles_grow_past_one_fill_only_where_they_save_waves() {
-        let shape = ReduceShape { mma: true, head_mma: true, tile_tokens: None };
+        let shape = ReduceShape {
+            mma: true,
+            head_mma: true,
+            tile_tokens: None,
+            max_shared: holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK,
+        };
         let tile = |kind, t, h| reduce(kind, t, h, 132, shape).tile_tokens;
         // mhc_pre, H 4096 (16 splits): 1024 tokens fit two waves of 64-token tiles (256 blocks)
         // and two of 96 (176): 64; from 4096 tokens 96-token tiles need fewer waves.
@@ -317,6 +351,33 @@ mod tests {
         // The fused op's and hc_head's shared memory holds no larger tile than one fill's.
         assert_eq!(tile(Reduce::Fused, 16_384, 4096), 64);
         assert_eq!(tile(Reduce::Head, 16_384, 4096), 32);
+        // Only mhc_pre's full-size tile is weighed against one fill's: at H 1152 (5 splits, a
+        // largest tile of 80) the fill's tile stays.
+        assert_eq!(tile(Reduce::Pre, 16_384, 1152), 64);
+    }
+
+    #[test]
+    fn resident_tiles_fit_the_devices_shared_memory() {
+        // sm_90 (227 KiB per block): every kind's largest tile.
+        let sm90 = holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK;
+        for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
+            assert_eq!(resident_cap(kind, sm90), kind.resident_tile_max());
+        }
+        // sm_80 (163 KiB per block): mhc_pre to 64 tokens, the fused op to 48.
+        let sm80 = 163 * 1024;
+        assert_eq!((resident_cap(Reduce::Pre, sm80), resident_cap(Reduce::Fused, sm80)), (64, 48));
+        let shape = ReduceShape { mma: true, head_mma: true, tile_tokens: None, max_shared: sm80 };
+        for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
+            for t in [1, 1024, 16_384] {
+                let p = reduce(kind, t, 4096, 108, shape);
+                assert!(p.config.shared_mem_bytes as usize + RESIDENT_STATIC_MAX <= sm80 as usize, "{kind:?} T {t}");
+            }
+        }
+        // Too little for one m-tile: no resident items; the portable path runs.
+        assert_eq!(resident_cap(Reduce::Pre, 48 * 1024), 0);
+        assert!(!resident_fits(Reduce::Pre, 4096, 132, 48 * 1024));
+        let p = reduce(Reduce::Pre, 64, 4096, 132, ReduceShape { max_shared: 48 * 1024, ..shape });
+        assert!(p.finish_tokens > 0);
     }
 
     #[test]
@@ -327,10 +388,11 @@ mod tests {
         assert_eq!(resident_shared_bytes(Reduce::Pre, 96), 6 * 32 * 1024 + 25 * 1024);
         assert_eq!(resident_shared_bytes(Reduce::Fused, 64), 4 * 40 * 1024 + 25 * 1024);
         assert_eq!(resident_shared_bytes(Reduce::Pre, 1), 32 * 1024 + 25 * 1024);
-        // Static shared memory of the kernels is under 8 KiB; the largest tiles fit the blocks per
+        // Static shared memory of the kernels is under RESIDENT_STATIC_MAX (checked against the
+        // compiled kernels in tests/nvrtc_compile.rs); the largest tiles fit the blocks per
         // multiprocessor the plan counts on (228 KiB per sm_90 multiprocessor, 1 KiB reserved each).
         for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
-            let per = resident_shared_bytes(kind, kind.resident_tile_max()) + 8 * 1024;
+            let per = resident_shared_bytes(kind, kind.resident_tile_max()) + RESIDENT_STATIC_MAX as u32;
             assert!(per <= holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK);
             assert!(kind.resident_blocks_per_unit() as u32 * (per + 1024) <= 228 * 1024);
         }
