@@ -70,32 +70,29 @@ __device__ __forceinline__ hf_bf16 hf_f32_to_bf16(float f) {
     return r;
 }
 
-// Two f32 -> bf16 conversions (hf_f32_to_bf16) packed into one word, `lo` in the low half. On
-// NVIDIA sm_80+ one cvt.rn.bf16x2.f32, then a NaN's half replaced by the definition's quiet NaN
-// (predicated, no branch): the bits are hf_f32_to_bf16's for every input.
-__device__ __forceinline__ uint32_t hf_pack_bf16x2(float lo, float hi) {
-#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
-    uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    if (lo != lo) r = (r & 0xffff0000u) | (__float_as_uint(lo) >> 16) | 0x0040u;
-    if (hi != hi) r = (r & 0x0000ffffu) | (__float_as_uint(hi) & 0xffff0000u) | 0x00400000u;
-    return r;
-#else
-    return (uint32_t)hf_f32_to_bf16(lo).bits | ((uint32_t)hf_f32_to_bf16(hi).bits << 16);
-#endif
-}
 // Two f32 -> bf16 conversions, round to nearest even, `lo` in the low half, where a NaN's payload
 // does not matter (operands of a product, whose result is NaN whatever the payload): a number
 // converts as hf_f32_to_bf16 does; a NaN becomes some quiet NaN. One cvt.rn.bf16x2.f32 on NVIDIA
-// sm_80+, hf_pack_bf16x2 elsewhere.
+// sm_80+, hf_f32_to_bf16 per element elsewhere.
 __device__ __forceinline__ uint32_t hf_pack_bf16x2_any_nan(float lo, float hi) {
 #if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
     uint32_t r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 #else
-    return hf_pack_bf16x2(lo, hi);
+    return (uint32_t)hf_f32_to_bf16(lo).bits | ((uint32_t)hf_f32_to_bf16(hi).bits << 16);
 #endif
+}
+// Two f32 -> bf16 conversions (hf_f32_to_bf16) packed into one word, `lo` in the low half: on
+// NVIDIA sm_80+ the paired conversion above, then a NaN's half replaced by the definition's quiet
+// NaN (predicated, no branch), so the bits are hf_f32_to_bf16's for every input.
+__device__ __forceinline__ uint32_t hf_pack_bf16x2(float lo, float hi) {
+    uint32_t r = hf_pack_bf16x2_any_nan(lo, hi);
+#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
+    if (lo != lo) r = (r & 0xffff0000u) | (__float_as_uint(lo) >> 16) | 0x0040u;
+    if (hi != hi) r = (r & 0x0000ffffu) | (__float_as_uint(hi) & 0xffff0000u) | 0x00400000u;
+#endif
+    return r;
 }
 
 // Sum over the lanes of one warp/wavefront (every lane gets the total, same order on every lane).

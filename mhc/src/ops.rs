@@ -135,19 +135,12 @@ impl MhcOps {
 
     /// Whether `op` runs on tensor cores (resident items): its [`MhcProjection`] choice, on an
     /// sm_80+ device that holds twice the `ceil(H / 256)` blocks a tile's items need at once
-    /// (every H up to 16896 on an H200) and whose blocks' shared memory holds one m-tile's stage. Never for `mhc_post`, which has no reduction.
+    /// (every H up to 16896 on an H200) and whose blocks' shared memory holds one m-tile's stage.
+    /// Never for `mhc_post`, which has no reduction.
     pub fn uses_tensor_cores(&self, op: MhcOp) -> bool {
-        let chosen = match op {
-            MhcOp::HcHead => self.shape.head_mma,
-            MhcOp::Pre | MhcOp::FusedPostPre => self.shape.mma,
-            MhcOp::Post => false,
-        };
-        let kind = match op {
-            MhcOp::HcHead => Reduce::Head,
-            MhcOp::Pre => Reduce::Pre,
-            _ => Reduce::Fused,
-        };
-        chosen && plan::resident_fits(kind, self.config.hidden, self.units, self.shape.max_shared)
+        Reduce::of(op).is_some_and(|kind| {
+            self.shape.mma_for(kind) && plan::resident_fits(kind, self.config.hidden, self.units, self.shape.max_shared)
+        })
     }
 
     /// Forces the tokens per projection tile (`1..=128`; `None`: the plan's choice, a function of
@@ -179,12 +172,9 @@ impl MhcOps {
         if tokens == 0 {
             return None;
         }
-        let h = self.config.hidden;
-        Some(match op {
-            MhcOp::HcHead => plan::reduce(Reduce::Head, tokens, h, self.units, self.shape).config,
-            MhcOp::Pre => plan::reduce(Reduce::Pre, tokens, h, self.units, self.shape).config,
-            MhcOp::FusedPostPre => plan::reduce(Reduce::Fused, tokens, h, self.units, self.shape).config,
-            MhcOp::Post => plan::post(tokens, h).0,
+        Some(match Reduce::of(op) {
+            Some(kind) => self.reduce_plan(kind, tokens).config,
+            None => plan::post(tokens, self.config.hidden).0,
         })
     }
 

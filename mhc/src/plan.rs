@@ -40,6 +40,17 @@ const RESIDENT_FILL_MAX: usize = 64;
 const RESIDENT_FIXED_TOKENS: usize = 70;
 
 impl Reduce {
+    /// The split reduction `op` runs (`None` for `mhc_post`, which has none).
+    pub(crate) fn of(op: crate::params::MhcOp) -> Option<Reduce> {
+        use crate::params::MhcOp;
+        match op {
+            MhcOp::HcHead => Some(Reduce::Head),
+            MhcOp::Pre => Some(Reduce::Pre),
+            MhcOp::FusedPostPre => Some(Reduce::Fused),
+            MhcOp::Post => None,
+        }
+    }
+
     /// Tokens one 32-lane slot covers per pass of the portable projection: token groups (32 /
     /// lanes per token) × register tile (`MHC_SUB_*`, `MHC_TT_*` in `kernels.cu`).
     fn tokens_per_slot(self) -> usize {
@@ -93,8 +104,9 @@ pub(crate) fn resident_shared_bytes(kind: Reduce, tile: usize) -> u32 {
     (tile.div_ceil(MMA_ROWS) * stage + red) as u32
 }
 
-/// Static shared memory the resident kernels may declare besides the dynamic stages, bytes (the
-/// kernels declare under 7 KiB; the HAL gives each kernel the device's limit less its static).
+/// Static shared memory the resident kernels may declare besides the dynamic stages, bytes
+/// (`tests/nvrtc_compile.rs` checks the compiled kernels against it; the HAL gives each kernel
+/// the device's limit less its static).
 const RESIDENT_STATIC_MAX: usize = 8 * 1024;
 
 /// Largest resident tile of `kind` on a device whose blocks may use `max_shared` bytes of shared
@@ -167,6 +179,18 @@ pub(crate) struct ReduceShape {
     pub max_shared: u32,
 }
 
+impl ReduceShape {
+    /// Whether tensor cores are chosen for `kind` ([`Self::head_mma`] for `hc_head`, else
+    /// [`Self::mma`]); they run where [`resident_fits`] too.
+    pub(crate) fn mma_for(&self, kind: Reduce) -> bool {
+        if kind == Reduce::Head {
+            self.head_mma
+        } else {
+            self.mma
+        }
+    }
+}
+
 /// Plans a split-reduction launch for `tokens > 0`.
 ///
 /// `hc_head` without tensor cores at decode sizes (`T ≤ 16`, `2·S` ≤ the multiprocessors, no
@@ -183,8 +207,7 @@ pub(crate) struct ReduceShape {
 pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, shape: ReduceShape) -> ReducePlan {
     let s = splits(hidden);
     let units = units.max(1);
-    let mma = if kind == Reduce::Head { shape.head_mma } else { shape.mma };
-    if mma && resident_fits(kind, hidden, units, shape.max_shared) {
+    if shape.mma_for(kind) && resident_fits(kind, hidden, units, shape.max_shared) {
         let cap = resident_cap(kind, shape.max_shared).min(MMA_ROWS * s).min(TILE_MAX);
         let tile = match shape.tile_tokens {
             Some(t) => t.clamp(1, cap),

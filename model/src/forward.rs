@@ -746,7 +746,7 @@ impl Forward for ModelForward {
                 return Err(to_graph(
                     "prepare",
                     ModelError::Step(format!(
-                        "a {kind:?} run would overwrite the step staged for {s} token rows: capture graphs                          before staging a step (lazy capture is not supported)"
+                        "a {kind:?} run would overwrite the step staged for {s} token rows: capture graphs before staging a step (lazy capture is not supported)"
                     )),
                 ));
             }
