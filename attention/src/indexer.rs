@@ -22,21 +22,32 @@
 //!    ([`topk_launch_config`]). Entry `c` becomes the unique 64-bit item
 //!    `key(logit[c]) << 32 | !c`, where `key` is a total-order key of the logit (`−0` equals
 //!    `+0`, a NaN ranks below every number); items in descending order are the output order.
-//!    Six digit levels (11, 11, 10 bits of the key, then of `!c`) each build a shared-memory
-//!    histogram of the items that match the prefix found so far and narrow the prefix to the bin
-//!    holding the k-th largest item; the search stops at the first level where every item on the
+//!    Up to six digit levels (11 bits each from the top of the item, fewer at the bottom) each
+//!    build a shared-memory histogram of the items that match the prefix found so far and narrow
+//!    the prefix to the bin holding the k-th largest item (a search over items in shared memory
+//!    starts below the bits they all share); the search stops at the first level where every item on the
 //!    prefix is taken (the last level's prefix is one whole item), so ties at the cut go to the
-//!    lower index by construction. The first levels read the row from the workspace; once the
-//!    prefix's group fits in [`TOPK_SHARED_CANDIDATES`] items, one more pass over the row moves
-//!    the items above the prefix into the selection and the group into shared memory, where the
-//!    remaining levels run. The `min(n_t, k)` selected items (all of them when `n_t ≤ k`, with no
-//!    search) are bitonic-sorted in shared memory and written, `-1` after. Histogram counts are
+//!    lower index by construction. The levels run over the items in shared memory
+//!    ([`TOPK_SHARED_CANDIDATES`]) when they hold the row's top k: the whole row when it fits,
+//!    else the items at or above a threshold `tau` gathered in one pass over the row, where `tau`
+//!    is a high logit of a fixed sample of the row ([`TOPK_SAMPLES`] entries at
+//!    `c = floor(j · n_t / TOPK_SAMPLES)`; about `1.5 k + 16 n_t / TOPK_SAMPLES` entries pass it),
+//!    and the pass found at least `k` and at most the capacity. Otherwise (a sample that
+//!    misrepresents the row, or more ties at `tau` than fit) the first levels read the row from
+//!    the workspace until the prefix's group fits, and one more pass over the row moves the
+//!    items above the prefix into the selection and the group into shared memory. The sample
+//!    only decides which way a row is searched: every path selects the same exact items. The
+//!    `min(n_t, k)` selected items (all of them when `n_t ≤ k`, with no
+//!    search) are put in order and written, `-1` after: each goes to the first position of its
+//!    bin of the 11 bits below the prefix they all share (bins in descending order) plus its rank
+//!    among that bin's items; where a bin holds more than 64 items, a merge sort (each warp's by
+//!    a bitonic network over shuffles, then runs merged pairwise by rank) orders them instead. Histogram counts are
 //!    order-independent and items are unique, so the output depends only on the row's values,
 //!    not on thread timing. Static shared memory: a 2048-bin histogram (8 KiB), the selection
 //!    ([`TOPK_MAX`] = 1024 items, 8 KiB) and the candidates (3584 items, 28 KiB), 45 KiB in all;
-//!    no workspace beyond the logits. A typical row costs two reads from the workspace; a row
-//!    whose values crowd into one bin (heavy ties) up to seven. The CPU reference sorts, which
-//!    gives the identical order.
+//!    no workspace beyond the logits. A typical row costs one read from the workspace and the
+//!    sample; a row that falls back, two to seven reads. The CPU reference sorts, which gives
+//!    the identical order.
 //!
 //!    Optionally ([`Indexer::with_topk_segments`]; for few tokens, so that more blocks share the
 //!    work) each token's row is cut into up to [`TOPK_MAX_SEGMENTS`] contiguous segments, the
@@ -130,16 +141,18 @@ __device__ __forceinline__ uint32_t hf_topk_key(float x) {
 // ---- top-k: exact radix select on a unique 64-bit item ------------------------------------------
 // item(c) = key(logit[c]) << 32 | ~c: distinct for distinct c, and item order descending is the
 // output order (logit descending, index ascending). The top k items are found digit by digit from
-// the top (11, 11, 10 bits of the key, then 11, 11, 10 bits of ~c), each digit's histogram
-// narrowing to the bin that holds the k-th largest item.
+// the top (11 bits at a time, fewer at the bottom), each digit's histogram narrowing to the bin
+// that holds the k-th largest item.
 #define HF_TOPK_THREADS 1024
 #define HF_TOPK_WARPS (HF_TOPK_THREADS / HF_WARP_SIZE)
 #define HF_TOPK_BINS 2048
 #define HF_TOPK_LEVELS 6
 #define HF_TOPK_MAXK 1024
 #define HF_TOPK_CAP 3584
+#define HF_TOPK_BUCKET_MAX 64
 
 static_assert(HF_TOPK_BINS == 2 * HF_TOPK_THREADS, "hf_topk_find: each thread owns two bins");
+static_assert(HF_TOPK_MAXK == HF_TOPK_THREADS, "the final sort holds one selected item per thread");
 
 struct alignas(16) hf_idx_f4 { float v[4]; };
 
@@ -147,15 +160,32 @@ __device__ __forceinline__ uint64_t hf_topk_item(float x, uint32_t c) {
     return ((uint64_t)hf_topk_key(x) << 32) | (uint64_t)(~c);
 }
 
-// Calls f(item(base + c)) once for every c < cn (row points at entry `base`), c owned by this
-// thread (which thread owns which c is irrelevant to the result). The aligned body is read as
-// 16-byte vectors, four per thread in flight.
+// hf_topk_item(x, c) for a number x (not a NaN), without branches.
+__device__ __forceinline__ uint64_t hf_topk_number_item(float x, uint32_t c) {
+    const uint32_t u = __float_as_uint(x + 0.0f);
+    const uint32_t key = u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+    return ((uint64_t)key << 32) | (uint64_t)(~c);
+}
+
+// Sum of v over the lanes >= this lane of the warp.
+__device__ __forceinline__ uint32_t hf_topk_suffix_sum(uint32_t v) {
+    const int lane = (int)(threadIdx.x % HF_WARP_SIZE);
+    for (int d = 1; d < HF_WARP_SIZE; d <<= 1) {
+        const uint32_t y = hf_shfl(v, lane + d < HF_WARP_SIZE ? lane + d : lane);
+        if (lane + d < HF_WARP_SIZE) v += y;
+    }
+    return v;
+}
+
+// Calls f(x, base0 + c) once for every c < cn with x = row[c] (row points at entry `base0`), c owned
+// by this thread (which thread owns which c is irrelevant to the result). The aligned body is
+// read as 16-byte vectors, four per thread in flight.
 template <typename F>
-__device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, uint32_t base0, F& f) {
+__device__ __forceinline__ void hf_topk_each_value(const float* row, uint32_t cn, uint32_t base0, F& f) {
     const uint32_t tid = threadIdx.x;
     uint32_t head = (4u - (uint32_t)((reinterpret_cast<uint64_t>(row) >> 2) & 3u)) & 3u;
     if (head > cn) head = cn;
-    if (tid < head) f(hf_topk_item(row[tid], base0 + tid));
+    if (tid < head) f(row[tid], base0 + tid);
     const uint32_t nv = (cn - head) / 4u;
     const hf_idx_f4* body = reinterpret_cast<const hf_idx_f4*>(row + head);
     for (uint32_t base = 0; base < nv; base += 4u * HF_TOPK_THREADS) {
@@ -170,11 +200,116 @@ __device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, 
             const uint32_t j = base + u * HF_TOPK_THREADS + tid;
             if (j < nv) {
 #pragma unroll
-                for (uint32_t e = 0; e < 4u; ++e) f(hf_topk_item(v[u].v[e], base0 + head + 4u * j + e));
+                for (uint32_t e = 0; e < 4u; ++e) f(v[u].v[e], base0 + head + 4u * j + e);
             }
         }
     }
-    for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) f(hf_topk_item(row[c], base0 + c));
+    for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) f(row[c], base0 + c);
+}
+
+// Appends item(base0 + c) for every c < cn with row[c] >= tau to cand (in no particular order;
+// *count counts them, the writes stop at HF_TOPK_CAP). The aligned body is read as 16-byte
+// vectors, four per thread in flight (the next four loading while these are written), and a
+// thread claims the slots of a round's passes with one atomic (the passes are few and
+// scattered: one atomic per pass would serialise on the counter).
+__device__ __forceinline__ void hf_topk_gather(const float* row, uint32_t cn, uint32_t base0, float tau,
+                                               uint64_t* cand, uint32_t* count) {
+    const uint32_t tid = threadIdx.x;
+    auto one = [&](float x, uint32_t c) {
+        if (x >= tau) {
+            const uint32_t at = atomicAdd(count, 1u);
+            if (at < HF_TOPK_CAP) cand[at] = hf_topk_item(x, c);
+        }
+    };
+    uint32_t head = (4u - (uint32_t)((reinterpret_cast<uint64_t>(row) >> 2) & 3u)) & 3u;
+    if (head > cn) head = cn;
+    if (tid < head) one(row[tid], base0 + tid);
+    const uint32_t nv = (cn - head) / 4u;
+    const hf_idx_f4* body = reinterpret_cast<const hf_idx_f4*>(row + head);
+    hf_idx_f4 next[4];
+#pragma unroll
+    for (uint32_t u = 0; u < 4u; ++u) {
+        const uint32_t j = u * HF_TOPK_THREADS + tid;
+        if (j < nv) next[u] = body[j];
+    }
+    for (uint32_t base = 0; base < nv; base += 4u * HF_TOPK_THREADS) {
+        hf_idx_f4 v[4];
+#pragma unroll
+        for (uint32_t u = 0; u < 4u; ++u) {
+            v[u] = next[u];
+            const uint32_t j = base + (4u + u) * HF_TOPK_THREADS + tid;
+            if (j < nv) next[u] = body[j];
+        }
+        // Bit 4 u + e of pass: entry e of vector u passes.
+        uint32_t pass = 0u;
+#pragma unroll
+        for (uint32_t u = 0; u < 4u; ++u) {
+            const bool in = base + u * HF_TOPK_THREADS + tid < nv;
+#pragma unroll
+            for (uint32_t e = 0; e < 4u; ++e) pass |= in && v[u].v[e] >= tau ? 1u << (4u * u + e) : 0u;
+        }
+        if (pass == 0u) continue;
+        uint32_t at = atomicAdd(count, (uint32_t)__popc(pass));
+        // Only the passing entries (about 2%): each picked from the registers by the bits of its
+        // number, which costs less than visiting all 16 when some lane of the warp passes.
+        while (pass != 0u) {
+            const uint32_t i = (uint32_t)__ffs(pass) - 1u;
+            pass &= pass - 1u;
+            float q[8];
+#pragma unroll
+            for (uint32_t r = 0; r < 8u; ++r) q[r] = (i & 1u) ? v[r / 2u].v[2u * (r % 2u) + 1u] : v[r / 2u].v[2u * (r % 2u)];
+#pragma unroll
+            for (uint32_t r = 0; r < 4u; ++r) q[r] = (i & 2u) ? q[2u * r + 1u] : q[2u * r];
+#pragma unroll
+            for (uint32_t r = 0; r < 2u; ++r) q[r] = (i & 4u) ? q[2u * r + 1u] : q[2u * r];
+            const float x = (i & 8u) ? q[1] : q[0];
+            if (at < HF_TOPK_CAP) cand[at] = hf_topk_number_item(x, base0 + head + 4u * (base + (i / 4u) * HF_TOPK_THREADS + tid) + i % 4u);
+            ++at;
+        }
+    }
+    for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) one(row[c], base0 + c);
+}
+
+// Calls f(item(base0 + c)) once for every c < cn, as hf_topk_each_value.
+template <typename F>
+__device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, uint32_t base0, F& f) {
+    auto g = [&](float x, uint32_t c) { f(hf_topk_item(x, c)); };
+    hf_topk_each_value(row, cn, base0, g);
+}
+
+// Block-wide: all and any become the AND and the OR of every thread's values (scratch: 2 entries
+// per warp), for every thread.
+__device__ __forceinline__ void hf_topk_and_or(uint64_t& all, uint64_t& any, uint64_t* scratch) {
+    const uint32_t lane = threadIdx.x % HF_WARP_SIZE, warp = threadIdx.x / HF_WARP_SIZE;
+    auto warp_and_or = [&]() {
+        for (int d = HF_WARP_SIZE / 2; d > 0; d >>= 1) {
+            all &= ((uint64_t)hf_shfl_xor((uint32_t)(all >> 32), d) << 32) | hf_shfl_xor((uint32_t)all, d);
+            any |= ((uint64_t)hf_shfl_xor((uint32_t)(any >> 32), d) << 32) | hf_shfl_xor((uint32_t)any, d);
+        }
+    };
+    warp_and_or();
+    __syncthreads();  // the scratch's earlier readers are done
+    if (lane == 0) {
+        scratch[warp] = all;
+        scratch[HF_TOPK_WARPS + warp] = any;
+    }
+    __syncthreads();
+    all = lane < HF_TOPK_WARPS ? scratch[lane] : ~(uint64_t)0;
+    any = lane < HF_TOPK_WARPS ? scratch[HF_TOPK_WARPS + lane] : 0u;
+    warp_and_or();
+}
+
+// Block-wide: the sum of own over the threads above this one (thread i owns bins 2i and 2i + 1,
+// so this counts the items in bins > 2i + 1). One barrier, after wsum is written.
+__device__ __forceinline__ uint32_t hf_topk_above(uint32_t own, uint32_t* wsum) {
+    const uint32_t lane = threadIdx.x % HF_WARP_SIZE, warp = threadIdx.x / HF_WARP_SIZE;
+    const uint32_t s = hf_topk_suffix_sum(own);  // over lanes >= lane of this warp
+    if (lane == 0) wsum[warp] = s;
+    __syncthreads();
+    // Items in the warps above this one: every warp scans the per-warp sums itself.
+    const uint32_t ws = hf_topk_suffix_sum(lane < HF_TOPK_WARPS ? wsum[lane] : 0u);
+    const uint32_t next = hf_shfl(ws, (int)(warp + 1u < HF_WARP_SIZE ? warp + 1u : warp));
+    return s - own + (warp + 1u < HF_TOPK_WARPS ? next : 0u);
 }
 
 // Block-wide: the bin b holding the need-th largest counted item (need >= 1, at most the total of
@@ -182,18 +317,9 @@ __device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, 
 // 2i and 2i + 1; exactly one thread finds b inside its pair. Starts reading hist without a
 // barrier (the caller syncs after the histogram), ends with a barrier after res is written.
 __device__ __forceinline__ void hf_topk_find(const uint32_t* hist, uint32_t need, uint32_t* wsum, uint32_t* res) {
-    const uint32_t tid = threadIdx.x, lane = tid % HF_WARP_SIZE, warp = tid / HF_WARP_SIZE;
+    const uint32_t tid = threadIdx.x;
     const uint32_t lo = hist[2u * tid], hi = hist[2u * tid + 1u], own = lo + hi;
-    int s = (int)own;  // becomes the sum over lanes >= lane of this warp
-    for (int d = 1; d < HF_WARP_SIZE; d <<= 1) {
-        const int src = (int)lane + d;
-        const int y = hf_shfl(s, src < HF_WARP_SIZE ? src : (int)lane);
-        if (src < HF_WARP_SIZE) s += y;
-    }
-    if (lane == 0) wsum[warp] = (uint32_t)s;
-    __syncthreads();
-    uint32_t above = (uint32_t)s - own;  // items in bins > 2 tid + 1
-    for (uint32_t w = warp + 1u; w < HF_TOPK_WARPS; ++w) above += wsum[w];
+    const uint32_t above = hf_topk_above(own, wsum);
     if (above < need && need <= above + own) {
         const bool upper = above + hi >= need;
         res[0] = upper ? 2u * tid + 1u : 2u * tid;
@@ -201,6 +327,48 @@ __device__ __forceinline__ void hf_topk_find(const uint32_t* hist, uint32_t need
         res[2] = upper ? hi : lo;
     }
     __syncthreads();
+}
+
+// Block-wide: a logit threshold tau such that probably between k and HF_TOPK_CAP of the row's cn
+// entries (cn > HF_TOPK_CAP) are >= tau, or NaN when the sample gives none. The sample is the
+// HF_TOPK_SAMPLES entries at c = floor(j cn / HF_TOPK_SAMPLES), two per thread; tau is its r-th
+// largest logit (by key) with r = rs + rs / 2 + 16, rs = ceil(k HF_TOPK_SAMPLES / cn), to 22
+// bits: the lower edge of the 22-bit key bin (two digit levels) that holds it, so at least r
+// samples pass. A row typically holds about 1.5 k + 16 cn / HF_TOPK_SAMPLES entries >= tau;
+// the caller checks the count it finds, so tau only decides how fast a row is searched, never
+// what is selected. For
+// keys, tau is exact: a number x has key(x) >= key(tau) exactly when x >= tau (-0 equals +0 in
+// both), and a NaN never passes. Clears hist before its first barrier; ends with a barrier.
+#define HF_TOPK_SAMPLES (2 * HF_TOPK_THREADS)
+__device__ __forceinline__ float hf_topk_threshold(const float* row, uint32_t cn, uint32_t k, uint32_t* hist,
+                                                   uint32_t* wsum, uint32_t* res) {
+    const uint32_t tid = threadIdx.x;
+    uint32_t key[2];
+#pragma unroll
+    for (uint32_t u = 0; u < 2u; ++u) {
+        const uint64_t j = 2u * tid + u;
+        key[u] = hf_topk_key(row[(uint32_t)(j * cn / HF_TOPK_SAMPLES)]);
+    }
+    const uint32_t rs = (uint32_t)(((uint64_t)k * HF_TOPK_SAMPLES + cn - 1u) / cn);
+    uint32_t need = rs + rs / 2u + 16u;
+    if (need > HF_TOPK_SAMPLES) need = HF_TOPK_SAMPLES;
+    uint32_t pval = 0u, pmask = 0u;
+    for (uint32_t l = 0; l < 2u; ++l) {
+        const uint32_t shift = l == 0u ? 21u : 10u, mask = 2047u;
+        for (uint32_t i = tid; i < HF_TOPK_BINS; i += HF_TOPK_THREADS) hist[i] = 0u;
+        __syncthreads();
+#pragma unroll
+        for (uint32_t u = 0; u < 2u; ++u)
+            if ((key[u] & pmask) == pval) atomicAdd(&hist[(key[u] >> shift) & mask], 1u);
+        __syncthreads();
+        hf_topk_find(hist, need, wsum, res);
+        need -= res[1];
+        pval |= res[0] << shift;
+        pmask |= mask << shift;
+    }
+    // pval is the smallest key of the r-th largest sample's bin: back to a logit. A prefix of a
+    // NaN's key (0) or of -inf's comes back as a NaN: no threshold.
+    return __uint_as_float((pval & 0x80000000u) ? (pval & 0x7fffffffu) : ~pval);
 }
 
 // out[t, :] = the min(n_t, k) largest items of token t's row in descending order (their indices),
@@ -213,10 +381,14 @@ __device__ __forceinline__ void hf_topk_find(const uint32_t* hist, uint32_t need
 // Levels l = 0 .. 5 refine a prefix (pval under pmask) of the k-th largest item; need counts the
 // items still to take among those matching the prefix (1 <= need <= eq, the prefix's count). When
 // need == eq, every item whose prefix is >= pval is selected and the search stops (at the latest
-// at l = 5, where the prefix is a whole item and eq = 1). Items are read from the global row
-// until the prefix's group fits in cand (HF_TOPK_CAP items): one more pass over the row then
-// stores the items above the prefix in sel and the group in cand, and later levels read cand.
-// Selected items land in sel at atomic slots (order irrelevant: sel is sorted by item before the
+// at l = 5, where the prefix is a whole item and eq = 1; a search that starts in cand starts
+// below the bits all of cand's items share). When cand can start with a set of
+// items that holds the top k (the whole row if it fits, else the items >= the sampled
+// threshold of hf_topk_threshold when there are k to HF_TOPK_CAP of them), every level reads
+// cand. Otherwise items are read from the global row until the prefix's group fits in cand: one
+// more pass over the row then stores the items above the prefix in sel and the group in cand,
+// and later levels read cand.
+// Selected items land in sel at atomic slots (order irrelevant: they are put in order before the
 // write-out, and items are unique), so the output depends on the row's values alone.
 HF_KERNEL void __launch_bounds__(HF_TOPK_THREADS)
 hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
@@ -227,6 +399,7 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
     __shared__ uint32_t wsum[HF_TOPK_WARPS];
     __shared__ uint32_t res[3];
     __shared__ uint32_t cnt[2];  // items in sel, items in cand
+    __shared__ uint64_t pre[2 * HF_TOPK_WARPS];
     if (k > HF_TOPK_MAXK || blockDim.x != HF_TOPK_THREADS) return;
     const uint32_t tid = threadIdx.x;
     for (uint32_t item = blockIdx.x; item < n * segs; item += gridDim.x) {
@@ -245,6 +418,25 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
             uint64_t pmask = 0, pval = 0;
             uint32_t need = k;
             bool global = true, done = false;
+            // The search starts from the row's items >= a sampled threshold, gathered in cand in
+            // one pass, when there are at least k and at most HF_TOPK_CAP of them (the whole row
+            // when it fits); else from the whole row, re-read level by level.
+            if (cn <= HF_TOPK_CAP) {
+                for (uint32_t c = tid; c < cn; c += HF_TOPK_THREADS) cand[c] = hf_topk_item(row[c], lo + c);
+                if (tid == 0) cnt[1] = cn;
+                global = false;
+                __syncthreads();  // cand and cnt[1] complete
+            } else {
+                const float tau = hf_topk_threshold(row, cn, k, hist, wsum, res);
+                if (tau == tau) {
+                    hf_topk_gather(row, cn, lo, tau, cand, &cnt[1]);
+                    __syncthreads();  // cnt[1] complete
+                    const uint32_t nc = cnt[1];
+                    global = nc < k || nc > HF_TOPK_CAP;
+                    __syncthreads();  // every thread has read cnt[1]
+                    if (global && tid == 0) cnt[1] = 0u;  // ordered by the first level's barrier
+                }
+            }
             // Takes items above the prefix, and those on it when done, into sel; when not done,
             // stores those on the prefix in cand.
             auto emit = [&](uint64_t it) {
@@ -257,9 +449,28 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                     if (at < HF_TOPK_CAP) cand[at] = it;
                 }
             };
+            // Digits are the 11 bits (fewer at the bottom) below `top`. Items that all start in
+            // cand share a prefix (the bits where their AND and OR agree): the search starts
+            // below it, so no level only confirms a bit that every item has.
+            uint32_t top = 64u;
+            if (!global) {
+                const uint32_t nc = cnt[1];
+                uint64_t all = ~(uint64_t)0, any = 0u;
+                for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) {
+                    all &= cand[i];
+                    any |= cand[i];
+                }
+                hf_topk_and_or(all, any, pre);
+                const uint64_t differ = all ^ any;
+                const uint32_t shared_bits = differ ? (uint32_t)__clzll((long long)differ) : 63u;
+                top = 64u - shared_bits;
+                pmask = shared_bits ? ~(uint64_t)0 << top : 0u;
+                pval = all & pmask;
+            }
             for (uint32_t l = 0; l < HF_TOPK_LEVELS; ++l) {
-                const uint32_t shift = (l < 3u ? 32u : 0u) + (l % 3u == 0u ? 21u : l % 3u == 1u ? 10u : 0u);
-                const uint32_t mask = l % 3u == 2u ? 1023u : 2047u;
+                const uint32_t width = top < 11u ? top : 11u;
+                const uint32_t shift = top - width, mask = (1u << width) - 1u;
+                top = shift;
                 for (uint32_t i = tid; i < HF_TOPK_BINS; i += HF_TOPK_THREADS) hist[i] = 0u;
                 __syncthreads();  // hist cleared; cnt reset; cand and sel written by the last pass
                 // Histogram of this level's digit over the items on the prefix. Runs of one bin
@@ -278,13 +489,13 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                 };
                 // Level 0 (every item, the key's top 11 bits) with constants: the hottest pass.
                 auto count0 = [&](uint64_t it) { add((uint32_t)(it >> 53)); };
-                if (l == 0u) {
-                    hf_topk_each_row(row, cn, lo, count0);
-                } else if (global) {
-                    hf_topk_each_row(row, cn, lo, count);
-                } else {
+                if (!global) {
                     const uint32_t nc = cnt[1];
                     for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) count(cand[i]);
+                } else if (l == 0u) {
+                    hf_topk_each_row(row, cn, lo, count0);
+                } else {
+                    hf_topk_each_row(row, cn, lo, count);
                 }
                 if (run) atomicAdd(&hist[cur], run);
                 __syncthreads();  // hist complete
@@ -295,8 +506,19 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                 pmask |= (uint64_t)mask << shift;
                 done = need == eq;
                 if (done && !global) {
+                    // Every item of cand on or above the prefix, each thread claiming the slots of
+                    // its own with one atomic (a shared counter per item would serialise).
                     const uint32_t nc = cnt[1];
-                    for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) emit(cand[i]);
+                    uint32_t mine = 0u;
+                    for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) mine += (cand[i] & pmask) >= pval ? 1u : 0u;
+                    uint32_t at = mine ? atomicAdd(&cnt[0], mine) : 0u;
+                    for (uint32_t i = tid; i < nc && mine; i += HF_TOPK_THREADS) {
+                        const uint64_t it = cand[i];
+                        if ((it & pmask) >= pval) {
+                            if (at < HF_TOPK_MAXK) sel[at] = it;
+                            ++at;
+                        }
+                    }
                 } else if (global && (done || eq <= HF_TOPK_CAP)) {
                     hf_topk_each_row(row, cn, lo, emit);
                     global = false;
@@ -305,28 +527,87 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
             }
         }
         __syncthreads();  // sel holds the m selected items
-        // Bitonic sort of sel[0 .. p2) descending, padded with 0 (below every item).
+        // Output order of the m selected items (one per thread, 0 past m: below every item). By
+        // buckets first: the 11 bits below the prefix the items share spread them over the
+        // histogram's bins; bins in descending order give each item's first possible position,
+        // and its rank among the items of its bin (gathered in cand, which is free now) the
+        // rest. Where a bin holds more than HF_TOPK_BUCKET_MAX items, a merge sort instead.
+        int32_t* orow = segs == 1u ? out + (uint64_t)t * k : seg_out + ((uint64_t)t * segs + sg) * k;
+        uint64_t v = tid < m ? sel[tid] : 0u;
+        uint64_t all = tid < m ? v : ~(uint64_t)0, any = v;
+        hf_topk_and_or(all, any, pre);
+        const uint64_t differ = all ^ any;
+        const uint32_t top = differ ? 64u - (uint32_t)__clzll((long long)differ) : 1u;
+        const uint32_t width = top < 11u ? top : 11u, shift = top - width;
+        const uint32_t d = (uint32_t)(v >> shift) & ((1u << width) - 1u);
+        uint32_t* bucket_end = reinterpret_cast<uint32_t*>(cand);  // [HF_TOPK_BINS]
+        uint64_t* bucketed = cand + HF_TOPK_BINS / 2;             // [HF_TOPK_MAXK]
+        for (uint32_t i = tid; i < HF_TOPK_BINS; i += HF_TOPK_THREADS) hist[i] = 0u;
+        if (tid == 0) cnt[0] = 0u;  // becomes: some bin is too full
+        __syncthreads();
+        if (tid < m) atomicAdd(&hist[d], 1u);
+        __syncthreads();
+        {
+            const uint32_t lo = hist[2u * tid], hi = hist[2u * tid + 1u];
+            if (lo > HF_TOPK_BUCKET_MAX || hi > HF_TOPK_BUCKET_MAX) cnt[0] = 1u;
+            const uint32_t above = hf_topk_above(lo + hi, wsum);
+            bucket_end[2u * tid + 1u] = above;  // the bin's first position; its end after the scatter
+            bucket_end[2u * tid] = above + hi;
+        }
+        __syncthreads();
+        if (cnt[0] == 0u) {
+            if (tid < m) bucketed[atomicAdd(&bucket_end[d], 1u)] = v;
+            __syncthreads();
+            if (tid < m) {
+                const uint32_t end = bucket_end[d], first = end - hist[d];
+                uint32_t at = first;
+                for (uint32_t j = first; j < end; ++j) at += bucketed[j] > v ? 1u : 0u;
+                orow[at] = (int32_t)~(uint32_t)v;
+            }
+            for (uint32_t i = m + tid; i < k; i += HF_TOPK_THREADS) orow[i] = -1;
+            continue;
+        }
+        // Merge sort, one item per thread in a register (HF_TOPK_MAXK == HF_TOPK_THREADS): each
+        // warp sorts its items (a bitonic network over shuffles), then runs of a warp's width and
+        // up merge pairwise through sel, each item moving to its index in its run plus its rank
+        // in the other run (a binary search; ties, which only padding has, put the first run's
+        // items first).
         uint32_t p2 = 1u;
         while (p2 < m) p2 <<= 1;
-        for (uint32_t i = m + tid; i < p2; i += HF_TOPK_THREADS) sel[i] = 0u;
-        __syncthreads();
-        for (uint32_t size = 2u; size <= p2; size <<= 1) {
+        const uint32_t lane = tid % HF_WARP_SIZE;
+        for (uint32_t size = 2u; size <= (uint32_t)HF_WARP_SIZE; size <<= 1) {
             for (uint32_t stride = size >> 1; stride > 0u; stride >>= 1) {
-                for (uint32_t i = tid; i < p2; i += HF_TOPK_THREADS) {
-                    const uint32_t j = i ^ stride;
-                    if (j > i) {
-                        const uint64_t a = sel[i], b = sel[j];
-                        if ((i & size) == 0u ? a < b : a > b) {
-                            sel[i] = b;
-                            sel[j] = a;
-                        }
-                    }
-                }
-                __syncthreads();
+                const uint32_t blo = hf_shfl_xor((uint32_t)v, (int)stride);
+                const uint32_t bhi = hf_shfl_xor((uint32_t)(v >> 32), (int)stride);
+                const uint64_t b = ((uint64_t)bhi << 32) | blo;
+                // The lower lane of a pair keeps the larger item where the run is descending.
+                const bool keep_max = ((lane & stride) == 0u) == ((lane & size) == 0u);
+                v = keep_max == (v > b) ? v : b;
             }
         }
-        int32_t* orow = segs == 1u ? out + (uint64_t)t * k : seg_out + ((uint64_t)t * segs + sg) * k;
-        for (uint32_t i = tid; i < k; i += HF_TOPK_THREADS) orow[i] = i < m ? (int32_t)~(uint32_t)sel[i] : -1;
+        if ((uint32_t)HF_WARP_SIZE < p2) {
+            sel[tid] = v;  // the slot this thread read
+            __syncthreads();
+        }
+        for (uint32_t run = HF_WARP_SIZE; run < p2; run <<= 1) {
+            // sel holds the runs of `run` items; this thread's item is sel[tid] == v.
+            const bool second = (tid & run) != 0u;
+            const uint32_t own = tid & (run - 1u), first = tid & ~(2u * run - 1u);
+            const uint64_t* other = sel + (second ? first : first + run);
+            // Items of the other run ahead of v: larger (or equal, from the first run).
+            uint32_t pos = 0u;
+            for (uint32_t step = run >> 1; step > 0u; step >>= 1) {
+                const uint64_t o = other[pos + step - 1u];
+                if (o > v || (second && o == v)) pos += step;
+            }
+            const uint64_t o = other[pos];
+            if (o > v || (second && o == v)) ++pos;
+            __syncthreads();  // every search is done
+            sel[first + own + pos] = v;
+            __syncthreads();
+            v = sel[tid];
+        }
+        if (tid < k) orow[tid] = tid < m ? (int32_t)~(uint32_t)v : -1;
     }
 }
 
@@ -384,6 +665,10 @@ pub const TOPK_MAX_SEGMENTS: usize = 4;
 /// Items (compressed entries) the top-k kernel keeps in shared memory once the search has
 /// narrowed to them; a larger group is searched by re-reading the row from the workspace.
 pub const TOPK_SHARED_CANDIDATES: usize = 3584;
+/// Entries of a row the top-k kernel samples for its gathering threshold: entry
+/// `floor(j · n_t / TOPK_SAMPLES)` for `j < TOPK_SAMPLES`, in rows of more than
+/// [`TOPK_SHARED_CANDIDATES`] entries (see the module docs).
+pub const TOPK_SAMPLES: usize = 2048;
 
 /// The top-k kernel's launch shape for `num_tokens_padded` tokens: one block of [`TOPK_THREADS`]
 /// per token (grid-stride past 65535), static shared memory only.

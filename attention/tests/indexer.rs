@@ -13,7 +13,7 @@ use std::cell::RefCell;
 
 use common::sched::*;
 use common::{token, Batch, Rng, POISON};
-use holdfast_attention::indexer::{topk_launch_config, TOPK_MAX};
+use holdfast_attention::indexer::{topk_launch_config, TOPK_MAX, TOPK_SAMPLES};
 use holdfast_attention::{
     indexer_max_compressed, indexer_source, AttentionError, C4aBuilder, CommonAttentionMetadata, CommonConfig,
     Compressor, CompressorWeights, Indexer, TOPK_THREADS,
@@ -606,11 +606,30 @@ fn sorted_topk_f32(row: &[f32], k: usize) -> Vec<i32> {
 
 /// Row value patterns for the top-k alone: mostly ties of every kind, plus distinct values that
 /// crowd into one histogram bin (the search re-reads the row) and plain spread values.
-const TIE_PATTERNS: [&str; 7] =
-    ["all equal", "three values", "signed zeros", "nan and inf", "crowded ties", "crowded distinct", "spread"];
+/// "sampled spikes" puts the row's largest values exactly on the entries the kernel samples for
+/// its gathering threshold, so the threshold passes too few entries and the search falls back;
+/// "one outlier" puts one value far above a crowd, so the selected items share few bits and one
+/// bin of the output ordering holds most of them (its merge-sort path).
+const TIE_PATTERNS: [&str; 9] = [
+    "one outlier",
+    "all equal",
+    "three values",
+    "signed zeros",
+    "nan and inf",
+    "crowded ties",
+    "crowded distinct",
+    "spread",
+    "sampled spikes",
+];
 
 fn pattern_row(rng: &mut Rng, pattern: &str, n: usize) -> Vec<f32> {
     let neg_nan = f32::from_bits(0xFFC0_0001);
+    let mut sampled = vec![false; n];
+    for j in 0..TOPK_SAMPLES {
+        if let Some(s) = sampled.get_mut(j * n / TOPK_SAMPLES) {
+            *s = true;
+        }
+    }
     (0..n)
         .map(|i| match pattern {
             "all equal" => 1.5,
@@ -629,6 +648,10 @@ fn pattern_row(rng: &mut Rng, pattern: &str, n: usize) -> Vec<f32> {
             "crowded ties" => 100.0 + uniform(rng, 0.0, 0.01),
             // Distinct consecutive floats of [1, 1.25), in a scrambled order.
             "crowded distinct" => f32::from_bits(1.0f32.to_bits() + ((i as u32).wrapping_mul(40_503) & 0x1_FFFF)),
+            "one outlier" if i == n / 2 => 1000.0,
+            "one outlier" => uniform(rng, 1.0, 1.001),
+            "sampled spikes" if sampled[i] => uniform(rng, 10.0, 11.0),
+            "sampled spikes" => uniform(rng, -1.0, 0.0),
             _ => uniform(rng, -4.0, 4.0),
         })
         .collect()
