@@ -208,18 +208,21 @@ __device__ __forceinline__ void hf_topk_each_value(const float* row, uint32_t cn
 }
 
 // Appends item(base0 + c) for every c < cn with row[c] >= tau to cand (in no particular order;
-// *count counts them, the writes stop at HF_TOPK_CAP). The aligned body is read as 16-byte
+// *count counts them, the writes stop at HF_TOPK_CAP), and folds them into this thread's all
+// (AND) and any (OR). The aligned body is read as 16-byte
 // vectors, four per thread in flight (the next four loading while these are written), and a
 // thread claims the slots of a round's passes with one atomic (the passes are few and
 // scattered: one atomic per pass would serialise on the counter).
 __device__ __forceinline__ void hf_topk_gather(const float* row, uint32_t cn, uint32_t base0, float tau,
-                                               uint64_t* cand, uint32_t* count) {
+                                               uint64_t* cand, uint32_t* count, uint64_t& all, uint64_t& any) {
     const uint32_t tid = threadIdx.x;
+    auto keep = [&](uint32_t at, uint64_t it) {
+        if (at < HF_TOPK_CAP) cand[at] = it;
+        all &= it;
+        any |= it;
+    };
     auto one = [&](float x, uint32_t c) {
-        if (x >= tau) {
-            const uint32_t at = atomicAdd(count, 1u);
-            if (at < HF_TOPK_CAP) cand[at] = hf_topk_item(x, c);
-        }
+        if (x >= tau) keep(atomicAdd(count, 1u), hf_topk_item(x, c));
     };
     uint32_t head = (4u - (uint32_t)((reinterpret_cast<uint64_t>(row) >> 2) & 3u)) & 3u;
     if (head > cn) head = cn;
@@ -263,8 +266,7 @@ __device__ __forceinline__ void hf_topk_gather(const float* row, uint32_t cn, ui
 #pragma unroll
             for (uint32_t r = 0; r < 2u; ++r) q[r] = (i & 4u) ? q[2u * r + 1u] : q[2u * r];
             const float x = (i & 8u) ? q[1] : q[0];
-            if (at < HF_TOPK_CAP) cand[at] = hf_topk_number_item(x, base0 + head + 4u * (base + (i / 4u) * HF_TOPK_THREADS + tid) + i % 4u);
-            ++at;
+            keep(at++, hf_topk_number_item(x, base0 + head + 4u * (base + (i / 4u) * HF_TOPK_THREADS + tid) + i % 4u));
         }
     }
     for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) one(row[c], base0 + c);
@@ -277,26 +279,25 @@ __device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, 
     hf_topk_each_value(row, cn, base0, g);
 }
 
-// Block-wide: all and any become the AND and the OR of every thread's values (scratch: 2 entries
-// per warp), for every thread.
-__device__ __forceinline__ void hf_topk_and_or(uint64_t& all, uint64_t& any, uint64_t* scratch) {
-    const uint32_t lane = threadIdx.x % HF_WARP_SIZE, warp = threadIdx.x / HF_WARP_SIZE;
-    auto warp_and_or = [&]() {
-        for (int d = HF_WARP_SIZE / 2; d > 0; d >>= 1) {
-            all &= ((uint64_t)hf_shfl_xor((uint32_t)(all >> 32), d) << 32) | hf_shfl_xor((uint32_t)all, d);
-            any |= ((uint64_t)hf_shfl_xor((uint32_t)(any >> 32), d) << 32) | hf_shfl_xor((uint32_t)any, d);
-        }
-    };
-    warp_and_or();
-    __syncthreads();  // the scratch's earlier readers are done
-    if (lane == 0) {
-        scratch[warp] = all;
-        scratch[HF_TOPK_WARPS + warp] = any;
+// Folds this warp's all (AND) and any (OR) into span[0] and span[1] (shared atomics, one per warp;
+// span starts at ~0 and 0). Every lane of the warp calls it; the caller's next barrier makes the
+// block's AND and OR visible.
+__device__ __forceinline__ void hf_topk_fold_span(uint64_t all, uint64_t any, unsigned long long* span) {
+    for (int d = HF_WARP_SIZE / 2; d > 0; d >>= 1) {
+        all &= ((uint64_t)hf_shfl_xor((uint32_t)(all >> 32), d) << 32) | hf_shfl_xor((uint32_t)all, d);
+        any |= ((uint64_t)hf_shfl_xor((uint32_t)(any >> 32), d) << 32) | hf_shfl_xor((uint32_t)any, d);
     }
-    __syncthreads();
-    all = lane < HF_TOPK_WARPS ? scratch[lane] : ~(uint64_t)0;
-    any = lane < HF_TOPK_WARPS ? scratch[HF_TOPK_WARPS + lane] : 0u;
-    warp_and_or();
+    if (threadIdx.x % HF_WARP_SIZE == 0) {
+        atomicAnd(&span[0], (unsigned long long)all);
+        atomicOr(&span[1], (unsigned long long)any);
+    }
+}
+
+// The digit position below the bits that every item shares, from their AND and OR: 64 minus the
+// shared leading bits (at least 1).
+__device__ __forceinline__ uint32_t hf_topk_span_top(uint64_t all, uint64_t any) {
+    const uint64_t differ = all ^ any;
+    return differ ? 64u - (uint32_t)__clzll((long long)differ) : 1u;
 }
 
 // Block-wide: the sum of own over the threads above this one (thread i owns bins 2i and 2i + 1,
@@ -399,7 +400,8 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
     __shared__ uint32_t wsum[HF_TOPK_WARPS];
     __shared__ uint32_t res[3];
     __shared__ uint32_t cnt[2];  // items in sel, items in cand
-    __shared__ uint64_t pre[2 * HF_TOPK_WARPS];
+    // AND and OR of cand's starting items, and of the selected items.
+    __shared__ unsigned long long span[4];
     if (k > HF_TOPK_MAXK || blockDim.x != HF_TOPK_THREADS) return;
     const uint32_t tid = threadIdx.x;
     for (uint32_t item = blockIdx.x; item < n * segs; item += gridDim.x) {
@@ -409,11 +411,22 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
         const uint32_t lo = sg * seg_len < full ? sg * seg_len : full;
         const uint32_t cn = full - lo < seg_len ? full - lo : seg_len;
         const float* row = scores + (uint64_t)t * width + lo;
-        __syncthreads();  // the previous token's readers of sel and cnt are done
-        if (tid == 0) cnt[0] = cnt[1] = 0u;
+        __syncthreads();  // the previous token's readers of sel, cnt and span are done
+        if (tid == 0) {
+            cnt[0] = cnt[1] = 0u;
+            span[0] = span[2] = ~0ull;
+            span[1] = span[3] = 0ull;
+        }
+        __syncthreads();
         const uint32_t m = cn < k ? cn : k;
+        uint64_t sel_all = ~(uint64_t)0, sel_any = 0u;  // this thread's selected items
         if (cn <= k) {
-            for (uint32_t c = tid; c < cn; c += HF_TOPK_THREADS) sel[c] = hf_topk_item(row[c], lo + c);
+            for (uint32_t c = tid; c < cn; c += HF_TOPK_THREADS) {
+                const uint64_t it = hf_topk_item(row[c], lo + c);
+                sel[c] = it;
+                sel_all &= it;
+                sel_any |= it;
+            }
         } else {
             uint64_t pmask = 0, pval = 0;
             uint32_t need = k;
@@ -421,16 +434,24 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
             // The search starts from the row's items >= a sampled threshold, gathered in cand in
             // one pass, when there are at least k and at most HF_TOPK_CAP of them (the whole row
             // when it fits); else from the whole row, re-read level by level.
+            uint64_t all = ~(uint64_t)0, any = 0u;  // this thread's items in cand
             if (cn <= HF_TOPK_CAP) {
-                for (uint32_t c = tid; c < cn; c += HF_TOPK_THREADS) cand[c] = hf_topk_item(row[c], lo + c);
+                for (uint32_t c = tid; c < cn; c += HF_TOPK_THREADS) {
+                    const uint64_t it = hf_topk_item(row[c], lo + c);
+                    cand[c] = it;
+                    all &= it;
+                    any |= it;
+                }
                 if (tid == 0) cnt[1] = cn;
                 global = false;
-                __syncthreads();  // cand and cnt[1] complete
+                hf_topk_fold_span(all, any, span);
+                __syncthreads();  // cand, cnt[1] and span complete
             } else {
                 const float tau = hf_topk_threshold(row, cn, k, hist, wsum, res);
                 if (tau == tau) {
-                    hf_topk_gather(row, cn, lo, tau, cand, &cnt[1]);
-                    __syncthreads();  // cnt[1] complete
+                    hf_topk_gather(row, cn, lo, tau, cand, &cnt[1], all, any);
+                    hf_topk_fold_span(all, any, span);
+                    __syncthreads();  // cnt[1] and span complete
                     const uint32_t nc = cnt[1];
                     global = nc < k || nc > HF_TOPK_CAP;
                     __syncthreads();  // every thread has read cnt[1]
@@ -444,6 +465,8 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                 if (x > pval || (done && x == pval)) {
                     const uint32_t at = atomicAdd(&cnt[0], 1u);
                     if (at < HF_TOPK_MAXK) sel[at] = it;
+                    sel_all &= it;
+                    sel_any |= it;
                 } else if (x == pval) {
                     const uint32_t at = atomicAdd(&cnt[1], 1u);
                     if (at < HF_TOPK_CAP) cand[at] = it;
@@ -454,18 +477,9 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
             // below it, so no level only confirms a bit that every item has.
             uint32_t top = 64u;
             if (!global) {
-                const uint32_t nc = cnt[1];
-                uint64_t all = ~(uint64_t)0, any = 0u;
-                for (uint32_t i = tid; i < nc; i += HF_TOPK_THREADS) {
-                    all &= cand[i];
-                    any |= cand[i];
-                }
-                hf_topk_and_or(all, any, pre);
-                const uint64_t differ = all ^ any;
-                const uint32_t shared_bits = differ ? (uint32_t)__clzll((long long)differ) : 63u;
-                top = 64u - shared_bits;
-                pmask = shared_bits ? ~(uint64_t)0 << top : 0u;
-                pval = all & pmask;
+                top = hf_topk_span_top(span[0], span[1]);
+                pmask = top < 64u ? ~(uint64_t)0 << top : 0u;
+                pval = span[0] & pmask;
             }
             for (uint32_t l = 0; l < HF_TOPK_LEVELS; ++l) {
                 const uint32_t width = top < 11u ? top : 11u;
@@ -517,6 +531,8 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                         if ((it & pmask) >= pval) {
                             if (at < HF_TOPK_MAXK) sel[at] = it;
                             ++at;
+                            sel_all &= it;
+                            sel_any |= it;
                         }
                     }
                 } else if (global && (done || eq <= HF_TOPK_CAP)) {
@@ -526,7 +542,8 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
                 if (done) break;
             }
         }
-        __syncthreads();  // sel holds the m selected items
+        hf_topk_fold_span(sel_all, sel_any, span + 2);
+        __syncthreads();  // sel holds the m selected items; span[2..4) their AND and OR
         // Output order of the m selected items (one per thread, 0 past m: below every item). By
         // buckets first: the 11 bits below the prefix the items share spread them over the
         // histogram's bins; bins in descending order give each item's first possible position,
@@ -534,10 +551,7 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
         // rest. Where a bin holds more than HF_TOPK_BUCKET_MAX items, a merge sort instead.
         int32_t* orow = segs == 1u ? out + (uint64_t)t * k : seg_out + ((uint64_t)t * segs + sg) * k;
         uint64_t v = tid < m ? sel[tid] : 0u;
-        uint64_t all = tid < m ? v : ~(uint64_t)0, any = v;
-        hf_topk_and_or(all, any, pre);
-        const uint64_t differ = all ^ any;
-        const uint32_t top = differ ? 64u - (uint32_t)__clzll((long long)differ) : 1u;
+        const uint32_t top = hf_topk_span_top(span[2], span[3]);
         const uint32_t width = top < 11u ? top : 11u, shift = top - width;
         const uint32_t d = (uint32_t)(v >> shift) & ((1u << width) - 1u);
         uint32_t* bucket_end = reinterpret_cast<uint32_t*>(cand);  // [HF_TOPK_BINS]
