@@ -1,9 +1,9 @@
 //! The c4a indexer's top-k alone (`hf_dsv4_indexer_topk` over a filled logit workspace): 64 rows
 //! of 65536 candidates (a 256K-token context) with top-512 and top-1024, for logits spread over
-//! a few octaves and for logits crowded into one octave (the search re-reads the row more often).
-//! Throughput is in rows (tokens) per second. Each case runs with one segment per row and with
-//! four (each segment's top-k, then the merge: what the indexer picks for 64 rows on a 132-SM
-//! device), side by side. `HOLDFAST_DEVICE` picks the device (default `cpu`, where only a tiny
+//! a few octaves and for logits crowded into one octave (more of its rows need several digit
+//! levels). Throughput is in rows (tokens) per second. Each case runs with one segment per row
+//! (what the indexer uses) and with four (each segment's top-k, then the merge: what
+//! `Indexer::auto_topk_segments` gives for 64 rows on a 132-SM device), side by side. `HOLDFAST_DEVICE` picks the device (default `cpu`, where only a tiny
 //! shape runs).
 
 use std::time::Instant;
