@@ -153,6 +153,7 @@ __device__ __forceinline__ uint32_t hf_topk_key(float x) {
 
 static_assert(HF_TOPK_BINS == 2 * HF_TOPK_THREADS, "hf_topk_find: each thread owns two bins");
 static_assert(HF_TOPK_MAXK == HF_TOPK_THREADS, "the final sort holds one selected item per thread");
+static_assert(HF_TOPK_WARPS <= HF_WARP_SIZE, "hf_topk_above: one warp scans the per-warp sums");
 
 struct alignas(16) hf_idx_f4 { float v[4]; };
 
@@ -229,7 +230,7 @@ __device__ __forceinline__ void hf_topk_gather(const float* row, uint32_t cn, ui
     if (tid < head) one(row[tid], base0 + tid);
     const uint32_t nv = (cn - head) / 4u;
     const hf_idx_f4* body = reinterpret_cast<const hf_idx_f4*>(row + head);
-    hf_idx_f4 next[4];
+    hf_idx_f4 next[4] = {};  // a vector past the row keeps an earlier value and is never counted
 #pragma unroll
     for (uint32_t u = 0; u < 4u; ++u) {
         const uint32_t j = u * HF_TOPK_THREADS + tid;
@@ -413,7 +414,7 @@ hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_
     __shared__ uint32_t cnt[2];  // items in sel, items in cand
     // AND and OR of cand's starting items, and of the selected items.
     __shared__ unsigned long long span[4];
-    if (k > HF_TOPK_MAXK || blockDim.x != HF_TOPK_THREADS) return;
+    if (k == 0u || k > HF_TOPK_MAXK || blockDim.x != HF_TOPK_THREADS) return;
     const uint32_t tid = threadIdx.x;
     for (uint32_t item = blockIdx.x; item < n * segs; item += gridDim.x) {
         const uint32_t t = item / segs, sg = item % segs;
