@@ -14,7 +14,7 @@ use crate::cpu::{CpuComm, CpuDevice, CpuEvent, CpuGraph, CpuKernel, CpuMem, CpuP
 #[cfg(feature = "cuda")]
 use crate::cuda::{CudaComm, CudaDevice, CudaEvent, CudaGraph, CudaKernel, CudaMem, CudaPinned, CudaStream};
 use crate::error::Result;
-use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
+use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig, LaunchMode};
 #[cfg(feature = "rocm")]
 use crate::rocm::{RocmDevice, RocmEvent, RocmGraph, RocmKernel, RocmMem, RocmPinned, RocmStream};
 use crate::stream::StreamPriority;
@@ -183,17 +183,18 @@ pub(crate) enum PinnedImpl {
 
 #[enum_dispatch]
 pub(crate) trait StreamOps {
-    /// Launches with `args` already checked against `entry.params` by the front end. `dependent`:
-    /// the launch may begin before the stream's previous kernel has finished (programmatic
-    /// dependent launch; the kernel waits with `hf_grid_dependency_wait`); backends without it
-    /// launch as usual.
+    /// Launches with `args` already checked against `entry.params` by the front end, and
+    /// `mode.cluster` checked against the device. `mode.dependent`: the launch may begin before
+    /// the stream's previous kernel has finished (programmatic dependent launch; the kernel waits
+    /// with `hf_grid_dependency_wait`); backends without it launch as usual. `mode.cluster > 1`:
+    /// the grid's blocks run in thread-block clusters of that many consecutive blocks in x.
     fn launch(
         &self,
         kernel: &KernelImpl,
         entry: &Arc<KernelEntry>,
         cfg: &LaunchConfig,
         args: &[Arg],
-        dependent: bool,
+        mode: LaunchMode,
     ) -> Result<()>;
     fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()>;
     fn copy_d2d(&self, src: u64, dst: u64, bytes: usize) -> Result<()>;

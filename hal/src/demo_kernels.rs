@@ -84,6 +84,28 @@ HF_KERNEL void hf_bf16_round_check(uint32_t* out, uint32_t hi_first, uint32_t hi
         atomicMin(&out[1], first);
     }
 }
+// For Stream::launch_cluster with clusters of `cluster` blocks: out[b] = the sum, in rank order from
+// 0.0, of x[j] (0 for j >= n) over the blocks j of block b's cluster, for every block b < n; each
+// block shares its x[b] through its shared memory, which the others read. A launch without the
+// clusters asked for, or any launch on a device without clusters, writes NaN instead (`cluster`
+// 1 asks for none).
+HF_KERNEL void hf_cluster_sum(const float* x, float* out, uint32_t cluster, uint32_t n) {
+    const uint32_t b = blockIdx.x;
+#if defined(HF_HAS_CLUSTERS)
+    __shared__ float mine;
+    if (threadIdx.x == 0) mine = b < n ? x[b] : 0.0f;
+    hf_cluster_sync();
+    if (threadIdx.x == 0 && b < n) {
+        const uint32_t blocks = hf_cluster_blocks();
+        float s = 0.0f;
+        for (uint32_t r = 0; r < blocks; ++r) s += hf_cluster_load_f32(&mine, r);
+        out[b] = blocks == cluster && hf_cluster_rank() == b % cluster ? s : __int_as_float(0x7fc00000);
+    }
+    hf_cluster_sync();  // no block leaves while the others may still read its shared memory
+#else
+    if (threadIdx.x == 0 && b < n) out[b] = __int_as_float(0x7fc00000);
+#endif
+}
 "#;
 
 fn n_arg(l: &CpuLaunch<'_>, i: usize, views: &[usize]) -> Result<usize> {
@@ -140,6 +162,26 @@ fn touch(l: &CpuLaunch<'_>) -> Result<()> {
     let n = n_arg(l, 1, &[x.len()])?;
     let v: Vec<f32> = x.read(0, n)?.iter().map(|x| x + 1.0).collect();
     x.write(0, &v)
+}
+
+fn cluster_sum(l: &CpuLaunch<'_>) -> Result<()> {
+    let (x, out) = (l.ptr::<f32>(0)?, l.ptr::<f32>(1)?);
+    let cluster = l.count(2)?;
+    let n = n_arg(l, 3, &[x.len(), out.len()])?;
+    let xs = x.read(0, n)?;
+    let launched = l.cluster_blocks() as usize;
+    let sums: Vec<f32> = (0..n)
+        .map(|b| {
+            let first = b / launched * launched;
+            let sum = (first..first + launched).fold(0.0f32, |s, j| s + xs.get(j).copied().unwrap_or(0.0));
+            if launched == cluster {
+                sum
+            } else {
+                f32::NAN
+            }
+        })
+        .collect();
+    out.write(0, &sums)
 }
 
 fn row_sum_bf16(l: &CpuLaunch<'_>) -> Result<()> {
@@ -224,6 +266,16 @@ pub fn source() -> &'static KernelSource {
                 },
                 KernelEntry { name: "hf_touch", params: vec![Param::inout::<f32>("x"), n()], cpu: touch },
                 KernelEntry { name: "hf_touch_dependent", params: vec![Param::inout::<f32>("x"), n()], cpu: touch },
+                KernelEntry {
+                    name: "hf_cluster_sum",
+                    params: vec![
+                        Param::input::<f32>("x"),
+                        Param::output::<f32>("out"),
+                        Param::scalar("cluster", ScalarKind::U32),
+                        n(),
+                    ],
+                    cpu: cluster_sum,
+                },
                 KernelEntry {
                     name: "hf_row_sum_bf16",
                     params: vec![

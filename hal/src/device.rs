@@ -105,11 +105,25 @@ impl DeviceInfo {
     /// Whether the device runs bf16 `mma.sync` (NVIDIA `sm_80` and later): the condition under
     /// which kernel sources see `HF_HAS_MMA` (portability.h).
     pub fn has_bf16_mma(&self) -> bool {
-        let sm = self
-            .arch
+        self.backend == BackendKind::Cuda && self.sm().is_some_and(|v| v >= 80)
+    }
+
+    /// Whether the device runs thread-block clusters ([`crate::Stream::launch_cluster`]): NVIDIA
+    /// `sm_90` and later, and the CPU backend, which stands for such a device (the condition under
+    /// which kernel sources see `HF_HAS_CLUSTERS` on a GPU).
+    pub fn has_clusters(&self) -> bool {
+        match self.backend {
+            BackendKind::Cpu => true,
+            BackendKind::Cuda => self.sm().is_some_and(|v| v >= 90),
+            BackendKind::Rocm => false,
+        }
+    }
+
+    /// The NVIDIA compute capability of `sm_XY` as `XY`.
+    fn sm(&self) -> Option<u32> {
+        self.arch
             .strip_prefix("sm_")
-            .and_then(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<u32>().ok());
-        self.backend == BackendKind::Cuda && sm.is_some_and(|v| v >= 80)
+            .and_then(|v| v.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse::<u32>().ok())
     }
 }
 

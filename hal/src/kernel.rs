@@ -227,6 +227,23 @@ impl LaunchConfig {
     }
 }
 
+/// Most blocks one thread-block cluster may hold ([`crate::Stream::launch_cluster`]): the portable
+/// cluster size of NVIDIA sm_90, which every such device schedules.
+pub const MAX_CLUSTER_BLOCKS: u32 = 8;
+
+/// How a launch runs beside the work around it, past its grid and block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LaunchMode {
+    /// Programmatic dependent launch ([`crate::Stream::launch_dependent`]).
+    pub(crate) dependent: bool,
+    /// Blocks per thread-block cluster in x; 1 for none ([`crate::Stream::launch_cluster`]).
+    pub(crate) cluster: u32,
+}
+
+impl LaunchMode {
+    pub(crate) const PLAIN: LaunchMode = LaunchMode { dependent: false, cluster: 1 };
+}
+
 /// One launch argument.
 #[derive(Clone, Debug)]
 pub enum Arg {

@@ -7,7 +7,8 @@
 // NVIDIA, 64 on CDNA; the HAL passes -DHF_WARP_SIZE=<device warp size>); warp shuffles and
 // warp-wide sum/max; HF_KERNEL for `extern "C" __global__`; on NVIDIA sm_80+ (HF_HAS_MMA) the
 // tensor-core primitives: cp.async 16-byte copies into shared memory, ldmatrix, and the bf16
-// m16n8k16 mma with f32 accumulators.
+// m16n8k16 mma with f32 accumulators; on NVIDIA sm_90+ (HF_HAS_CLUSTERS) thread-block cluster
+// ranks, barriers and reads of another block's shared memory.
 #pragma once
 #if defined(__HIPCC_RTC__) || defined(__HIP_PLATFORM_AMD__) || defined(__HIP__)
 #define HF_HIP 1
@@ -280,5 +281,37 @@ __device__ __forceinline__ void hf_mma_bf16(float* c, const uint32_t* a, uint32_
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+
+// Thread-block clusters (Stream::launch_cluster; NVIDIA sm_90+, HF_HAS_CLUSTERS): the block's rank
+// in its cluster and the cluster's block count; a barrier over the cluster's blocks that every
+// thread of each block reaches, which also orders each block's shared-memory writes before the
+// other blocks' reads after it (release/acquire); and a read of a shared-memory variable in
+// another block of the cluster. A block must not exit while others may still read its shared
+// memory (end with hf_cluster_sync). Elsewhere the HAL refuses cluster launches, so these are
+// absent.
+#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+#define HF_HAS_CLUSTERS 1
+__device__ __forceinline__ uint32_t hf_cluster_rank() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ uint32_t hf_cluster_blocks() {
+    uint32_t r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
+    return r;
+}
+__device__ __forceinline__ void hf_cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+// The f32 at shared-memory pointer p (of this block's shared memory) in block `rank` of the cluster.
+__device__ __forceinline__ float hf_cluster_load_f32(const float* p, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(hf_smem_addr(p)), "r"(rank));
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    return v;
 }
 #endif

@@ -13,7 +13,7 @@ use crate::device::{lock, DeviceShared};
 use crate::dtype::Element;
 use crate::error::{CaptureOp, HalError, Result};
 use crate::graph::Graph;
-use crate::kernel::{check_args, Arg, Kernel, LaunchConfig};
+use crate::kernel::{check_args, Arg, Kernel, LaunchConfig, LaunchMode, MAX_CLUSTER_BLOCKS};
 use crate::memory::{PinnedBuffer, RawView, View};
 
 /// How a stream's kernels are scheduled against other streams' kernels on the device.
@@ -157,7 +157,7 @@ impl Stream {
 
     /// Launches `kernel` with `args`, checked against its declared signature.
     pub fn launch(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-        self.launch_with(kernel, cfg, args, false)
+        self.launch_with(kernel, cfg, args, LaunchMode::PLAIN)
     }
 
     /// As [`Stream::launch`], letting the kernel begin before the kernel launched before it on
@@ -168,10 +168,37 @@ impl Stream {
     /// call returns once every earlier kernel has finished and its writes are visible. Elsewhere
     /// (other devices, HIP, the CPU backend) this is an ordinary launch and the call is a no-op.
     pub fn launch_dependent(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
-        self.launch_with(kernel, cfg, args, true)
+        self.launch_with(kernel, cfg, args, LaunchMode { dependent: true, cluster: 1 })
     }
 
-    fn launch_with(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg], dependent: bool) -> Result<()> {
+    /// As [`Stream::launch`], with the grid's blocks grouped into thread-block clusters of
+    /// `cluster` consecutive blocks in x (NVIDIA sm_90 and newer): a cluster's blocks run at the
+    /// same time on one processing cluster, read each other's shared memory
+    /// (`hf_cluster_load_f32`) and wait for each other (`hf_cluster_sync`, which every thread of
+    /// each block reaches; see the portability header, `HF_HAS_CLUSTERS`). `cluster` must lie in
+    /// `1..=`[`MAX_CLUSTER_BLOCKS`] and divide `grid.0`; capturable like any launch. On a device
+    /// without clusters (HIP, NVIDIA before sm_90; [`crate::DeviceInfo::has_clusters`]) this is
+    /// an [`HalError::InvalidLaunch`] and nothing runs. The CPU backend, which stands for an
+    /// sm_90 device, checks the same and runs the kernel's reference as for any launch.
+    pub fn launch_cluster(&self, kernel: &Kernel, cfg: LaunchConfig, cluster: u32, args: &[Arg]) -> Result<()> {
+        let bad = |detail: String| Err(HalError::InvalidLaunch { kernel: kernel.name().to_string(), detail });
+        let info = &self.device.info;
+        if !info.has_clusters() {
+            return bad(format!(
+                "thread-block clusters need an NVIDIA sm_90 or newer device; this is {} ({}:{}, {})",
+                info.name, info.backend, info.ordinal, info.arch
+            ));
+        }
+        if cluster == 0 || cluster > MAX_CLUSTER_BLOCKS {
+            return bad(format!("a cluster of {cluster} blocks; 1 to {MAX_CLUSTER_BLOCKS} are supported"));
+        }
+        if !cfg.grid.0.is_multiple_of(cluster) {
+            return bad(format!("grid {:?}: x must be a multiple of the cluster's {cluster} blocks", cfg.grid));
+        }
+        self.launch_with(kernel, cfg, args, LaunchMode { dependent: false, cluster })
+    }
+
+    fn launch_with(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg], mode: LaunchMode) -> Result<()> {
         if kernel.device_id != self.device.id {
             return Err(HalError::DeviceMismatch(format!(
                 "kernel `{}` was compiled for another device",
@@ -201,12 +228,7 @@ impl Stream {
                 _ => None,
             })
         };
-        self.enqueue(
-            kernel.name(),
-            uses,
-            |_| {},
-            || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, args, dependent),
-        )
+        self.enqueue(kernel.name(), uses, |_| {}, || self.inner.launch(&kernel.inner, &kernel.entry, &cfg, args, mode))
     }
 
     /// Sets every byte of `dst` to `value`.

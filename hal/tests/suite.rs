@@ -596,6 +596,78 @@ fn mapped_host_memory_is_used_in_place(dev: &Device) {
     assert_eq!(dev.stats().pinned_bytes, pinned_before, "freed with its last handle");
 }
 
+/// The sums `hf_cluster_sum` writes for clusters of `cluster` blocks: each block's cluster's `x`
+/// in rank order from 0.0 (0 past `x`).
+fn cluster_sums(x: &[f32], cluster: usize) -> Vec<f32> {
+    (0..x.len())
+        .map(|b| {
+            let first = b / cluster * cluster;
+            (first..first + cluster).fold(0.0f32, |s, j| s + x.get(j).copied().unwrap_or(0.0))
+        })
+        .collect()
+}
+
+fn a_cluster_launch_reads_the_shared_memory_of_its_blocks(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let sum = kernel(dev, "hf_cluster_sum");
+    // 250 live blocks in a grid of 256: the last cluster of 4 and 8 holds blocks past n.
+    let (n, grid) = (250usize, 256u32);
+    let x = dev.alloc_from_slice("x", &seq(n, -40.25), true).expect("x");
+    let out = dev.alloc_from_slice("out", &vec![-7.0f32; n + 1], true).expect("out");
+    let outv = out.prefix(n).expect("out view");
+    let launch = |cluster: u32| {
+        let args: [Arg; 4] = [(&x).into(), (&outv).into(), cluster.into(), (n as u32).into()];
+        s.launch_cluster(&sum, LaunchConfig::blocks(grid, 64), cluster, &args)
+    };
+    if !dev.info().has_clusters() {
+        let e = launch(4).expect_err("a device without clusters refuses them");
+        assert!(matches!(e, HalError::InvalidLaunch { .. }), "{e}");
+        return;
+    }
+    for cluster in [1u32, 2, 4, 8] {
+        launch(cluster).expect("cluster launch");
+        let got = s.copy_to_host_sync(&out.view()).expect("out");
+        assert_eq!(
+            got[..n],
+            cluster_sums(&s.copy_to_host_sync(&x.view()).expect("x"), cluster as usize)[..],
+            "{cluster}"
+        );
+        assert_eq!(got[n], -7.0, "written past n");
+    }
+    // A plain launch of a kernel that needs clusters of 4 sees clusters of one block.
+    let args: [Arg; 4] = [(&x).into(), (&outv).into(), 4u32.into(), (n as u32).into()];
+    s.launch(&sum, LaunchConfig::blocks(grid, 64), &args).expect("plain launch");
+    assert!(s.copy_to_host_sync(&outv).expect("out").iter().all(|v| v.is_nan()), "clusters it was not given");
+    // Captured, and replayed over fresh inputs.
+    s.begin_capture("cluster").expect("begin");
+    launch(8).expect("captured cluster launch");
+    let g = s.end_capture().expect("end");
+    for r in 0..3 {
+        let fresh = seq(n, r as f32 * 3.5 - 1.0);
+        s.copy_from_host(&fresh, &x.view()).expect("fresh x");
+        g.replay(&s).expect("replay");
+        assert_eq!(s.copy_to_host_sync(&outv).expect("out"), cluster_sums(&fresh, 8), "replay {r}");
+    }
+}
+
+fn cluster_launch_misuse_is_an_error_and_launches_nothing(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let sum = kernel(dev, "hf_cluster_sum");
+    let n = 24usize;
+    let x = dev.alloc_from_slice("x", &seq(n, 1.0), true).expect("x");
+    let out = dev.alloc_from_slice("out", &vec![-7.0f32; n], true).expect("out");
+    let args: [Arg; 4] = [(&x).into(), (&out).into(), 4u32.into(), (n as u32).into()];
+    for (grid, cluster, what) in [(24u32, 0u32, "1 to 8"), (24, 9, "1 to 8"), (22, 4, "multiple of the cluster")] {
+        let e = s.launch_cluster(&sum, LaunchConfig::blocks(grid, 64), cluster, &args).expect_err("misuse");
+        let msg = e.to_string();
+        assert!(matches!(e, HalError::InvalidLaunch { .. }), "{msg}");
+        if dev.info().has_clusters() {
+            assert!(msg.contains(what) && msg.contains("hf_cluster_sum"), "grid {grid}, cluster {cluster}: {msg}");
+        }
+    }
+    assert_eq!(s.copy_to_host_sync(&out.view()).expect("out"), vec![-7.0f32; n], "nothing ran");
+}
+
 holdfast_hal::device_suite!(
     setup = super::module_for_setup;     eager_kernels_match_their_host_definition,
     memset_copy_and_views_keep_addresses,
@@ -617,4 +689,6 @@ holdfast_hal::device_suite!(
     fork_and_join_misuse_is_a_precise_error_that_changes_nothing,
     dependent_launches_keep_their_order,
     mapped_host_memory_is_used_in_place,
+    a_cluster_launch_reads_the_shared_memory_of_its_blocks,
+    cluster_launch_misuse_is_an_error_and_launches_nothing,
 );

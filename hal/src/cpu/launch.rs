@@ -24,6 +24,7 @@ enum CpuArg {
 pub struct CpuLaunch<'a> {
     entry: &'a KernelEntry,
     cfg: &'a LaunchConfig,
+    cluster: u32,
     args: Vec<CpuArg>,
 }
 
@@ -36,6 +37,12 @@ impl CpuLaunch<'_> {
     /// The launch configuration (grid, block, shared memory) the caller chose.
     pub fn config(&self) -> &LaunchConfig {
         self.cfg
+    }
+
+    /// Blocks per thread-block cluster in x: the `cluster` of [`crate::Stream::launch_cluster`],
+    /// 1 for every other launch.
+    pub fn cluster_blocks(&self) -> u32 {
+        self.cluster
     }
 
     fn scalar(&self, i: usize) -> Result<LaunchArg> {
@@ -244,6 +251,7 @@ pub(super) fn execute(
     f: CpuKernelFn,
     entry: &KernelEntry,
     cfg: &LaunchConfig,
+    cluster: u32,
     args: &[LaunchArg],
 ) -> Result<()> {
     // Resolve every pointer to (allocation, byte offset).
@@ -281,7 +289,7 @@ pub(super) fn execute(
             (_, s, _) => CpuArg::Scalar(*s),
         });
     }
-    let launch = CpuLaunch { entry, cfg, args: cpu_args };
+    let launch = CpuLaunch { entry, cfg, cluster, args: cpu_args };
     let result = f(&launch);
     drop(launch);
     drop(guards);

@@ -37,7 +37,7 @@ use crate::backend::{
 };
 use crate::device::{lock, BackendKind, DeviceInfo};
 use crate::error::{HalError, Result};
-use crate::kernel::{Arg, CpuKernelFn, KernelEntry, KernelSource, LaunchConfig};
+use crate::kernel::{Arg, CpuKernelFn, KernelEntry, KernelSource, LaunchConfig, LaunchMode};
 use crate::stream::StreamPriority;
 
 const ADDRESS_BASE: u64 = 0x7000_0000_0000;
@@ -238,7 +238,7 @@ pub(crate) struct CpuKernel {
 
 #[derive(Clone)]
 enum CpuOp {
-    Launch { f: CpuKernelFn, entry: Arc<KernelEntry>, cfg: LaunchConfig, args: Vec<LaunchArg> },
+    Launch { f: CpuKernelFn, entry: Arc<KernelEntry>, cfg: LaunchConfig, cluster: u32, args: Vec<LaunchArg> },
     Memset { addr: u64, bytes: usize, value: u8 },
     Copy { src: u64, dst: u64, bytes: usize },
     CopyPinned { src: CpuPinned, offset: usize, dst: u64, bytes: usize },
@@ -248,7 +248,7 @@ enum CpuOp {
 impl CpuOp {
     fn execute(&self, core: &CpuCore) -> Result<()> {
         match self {
-            CpuOp::Launch { f, entry, cfg, args } => launch::execute(core, *f, entry, cfg, args),
+            CpuOp::Launch { f, entry, cfg, cluster, args } => launch::execute(core, *f, entry, cfg, *cluster, args),
             CpuOp::Memset { addr, bytes, value } => {
                 let (a, off) =
                     core.resolve(*addr, *bytes).map_err(|why| bad_addr("memset", "dst", *addr, *bytes, why))?;
@@ -331,7 +331,7 @@ impl StreamOps for CpuStream {
         entry: &Arc<KernelEntry>,
         cfg: &LaunchConfig,
         args: &[Arg],
-        _dependent: bool, // kernels run one after the other here
+        mode: LaunchMode, // kernels run one after the other here, each from its reference
     ) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
@@ -339,7 +339,7 @@ impl StreamOps for CpuStream {
             _ => return Err(wrong_backend("kernel")),
         };
         let args = args.iter().map(LaunchArg::of).collect();
-        self.submit(CpuOp::Launch { f, entry: entry.clone(), cfg: *cfg, args })
+        self.submit(CpuOp::Launch { f, entry: entry.clone(), cfg: *cfg, cluster: mode.cluster, args })
     }
 
     fn memset(&self, addr: u64, bytes: usize, value: u8) -> Result<()> {

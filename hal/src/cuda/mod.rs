@@ -39,7 +39,7 @@ use crate::backend::{
 };
 use crate::device::{BackendKind, DeviceInfo};
 use crate::error::{CaptureOp, HalError, Result};
-use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
+use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig, LaunchMode};
 use crate::stream::StreamPriority;
 
 fn drv(call: &'static str) -> impl Fn(DriverError) -> HalError {
@@ -397,7 +397,7 @@ impl StreamOps for CudaStream {
         _entry: &Arc<KernelEntry>,
         cfg: &LaunchConfig,
         args: &[Arg],
-        dependent: bool,
+        mode: LaunchMode,
     ) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
@@ -429,11 +429,21 @@ impl StreamOps for CudaStream {
             *p = (v as *mut u64).cast::<c_void>();
         }
         let stream = self.raw()?;
-        if dependent && self.dependent_launch {
-            // SAFETY: a plain C struct (an id, padding and a union of plain values): all-zero is valid.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
+        // SAFETY: plain C structs (an id, padding and a union of plain values): all-zero is valid.
+        let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+        let mut n_attrs = 0usize;
+        if mode.dependent && self.dependent_launch {
+            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n_attrs].value.programmaticStreamSerializationAllowed = 1;
+            n_attrs += 1;
+        }
+        if mode.cluster > 1 {
+            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n_attrs].value.clusterDim =
+                sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: mode.cluster, y: 1, z: 1 };
+            n_attrs += 1;
+        }
+        if n_attrs > 0 {
             let config = sys::CUlaunchConfig {
                 gridDimX: cfg.grid.0,
                 gridDimY: cfg.grid.1,
@@ -443,10 +453,10 @@ impl StreamOps for CudaStream {
                 blockDimZ: cfg.block.2,
                 sharedMemBytes: cfg.shared_mem_bytes,
                 hStream: stream,
-                attrs: &mut attr,
-                numAttrs: 1,
+                attrs: attrs.as_mut_ptr(),
+                numAttrs: n_attrs as u32,
             };
-            // SAFETY: as below; `config` and `attr` outlive the call.
+            // SAFETY: as below; `config` and `attrs` outlive the call.
             return unsafe { sys::cuLaunchKernelEx(&config, f, params.as_mut_ptr(), std::ptr::null_mut()) }
                 .result()
                 .map_err(drv("cuLaunchKernelEx"));

@@ -26,7 +26,7 @@ use crate::backend::{
 };
 use crate::device::{BackendKind, DeviceInfo};
 use crate::error::{CaptureOp, HalError, Result};
-use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig};
+use crate::kernel::{Arg, KernelEntry, KernelSource, LaunchConfig, LaunchMode};
 use crate::stream::StreamPriority;
 
 /// Why the ROCm backend is unusable on this machine, or `None` if HIP and hipRTC load.
@@ -393,7 +393,7 @@ impl StreamOps for RocmStream {
         _entry: &Arc<KernelEntry>,
         cfg: &LaunchConfig,
         args: &[Arg],
-        _dependent: bool, // HIP has no programmatic dependent launch: an ordinary launch
+        _mode: LaunchMode, // HIP has no programmatic dependent launch (an ordinary launch); clusters are refused up front
     ) -> Result<()> {
         #[allow(unreachable_patterns)]
         let f = match kernel {
