@@ -151,9 +151,11 @@ fn bench(c: &mut Criterion) {
             MhcOps::new(&dev, &kernels, cfg).expect("ops").with_projection(p).with_tile_tokens(tile).expect("tile")
         };
         // Both paths side by side where the device has tensor cores (the default takes, per op,
-        // the one that measured faster); the portable path alone elsewhere.
+        // the one that measured faster); the portable path alone elsewhere; and `hc_head` on
+        // thread-block clusters where the device has them.
         let tensor = with(MhcProjection::TensorCores);
         let portable = with(MhcProjection::Portable);
+        let clusters = with(MhcProjection::Clusters);
         let bufs = Bufs::new(&dev, &s, hidden, max_t);
         for op in MhcOp::ALL {
             let mut g = c.benchmark_group(format!("{}/H={hidden}", op.name()));
@@ -163,6 +165,9 @@ fn bench(c: &mut Criterion) {
                 variants.push(("tensor_cores", &tensor));
             }
             variants.push(("portable", &portable));
+            if clusters.uses_clusters(op) {
+                variants.push(("clusters", &clusters));
+            }
             for &t in &ts {
                 let bytes = op.bytes_moved(t, hidden);
                 g.throughput(Throughput::Bytes(bytes));

@@ -5,7 +5,8 @@ use holdfast_hal::{bf16, Stream, View};
 use crate::error::Result;
 use crate::ops::{disjoint, len, HcHeadWeights, MhcOps};
 use crate::params::HcHeadParams;
-use crate::plan::Reduce;
+use crate::params::MhcOp;
+use crate::plan::{self, Reduce};
 use crate::HC_MULT;
 
 impl MhcOps {
@@ -37,6 +38,26 @@ impl MhcOps {
         ];
         disjoint(op, &[("out", out.raw())], &inputs, None)?;
         if t == 0 {
+            return Ok(());
+        }
+        let aligned = [residual.raw(), weights.hc_fn.raw(), out.raw()].iter().all(|v| v.addr() % 16 == 0);
+        if self.uses_clusters(MhcOp::HcHead) && aligned {
+            stream.launch_cluster(
+                &self.kernels.hc_head_cluster,
+                plan::cluster_head(t, h, self.units),
+                plan::CLUSTER_BLOCKS as u32,
+                &[
+                    residual.into(),
+                    weights.hc_fn.into(),
+                    weights.scale.into(),
+                    weights.base.into(),
+                    out.into(),
+                    (t as u32).into(),
+                    (h as u32).into(),
+                    params.rms_eps.into(),
+                    params.hc_eps.into(),
+                ],
+            )?;
             return Ok(());
         }
         let p = self.reduce_plan(Reduce::Head, t);

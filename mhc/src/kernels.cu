@@ -1215,3 +1215,145 @@ HF_KERNEL void __launch_bounds__(MHC_POST_THREADS) mhc_post_n4(
     else
         mhc_post_body<false>(x, residual, post, comb, out, T, H, tokens_per_block);
 }
+
+// ---- hc_head on thread-block clusters (NVIDIA sm_90+; Stream::launch_cluster) -------------------
+// Clusters of MHC_CL_BLOCKS blocks; block `rank` of a cluster owns h in [rank Hs, (rank + 1) Hs) of
+// every stream (Hs = H / MHC_CL_BLOCKS; H a multiple of 8 MHC_CL_BLOCKS, at most 8192: the host
+// checks). The block's slice of fn stays in shared memory for the whole launch. Clusters take
+// tiles of MHC_CL_TILE tokens in turn; per tile every block
+//   1. reads its slice of the tile's rows once, one 16-byte chunk (stream i, h 8c .. 8c + 8) per
+//      thread and token, keeping it in shared memory for step 4;
+//   2. forms each token's partial Σx² and 4 dots over its chunks, then sums them over the block:
+//      a butterfly within each warp (32 values: a tile's 4 tokens × 8 slots, 5 used; every value
+//      takes the same tree over the lanes) and the warps in order;
+//   3. after a cluster barrier, sums the cluster's 8 block partials in rank order (distributed
+//      shared memory; the same bits in every block) and forms the gates (mhc_stream_gate);
+//   4. writes its slice of the tile's outputs, Σ_i g_i x_i in stream order (as the reference).
+// A token's arithmetic depends on neither T nor its place in a tile: batch-invariant. The partials
+// are double-buffered across tiles, so one cluster barrier per tile suffices; a last barrier keeps
+// every block's shared memory alive until the cluster's reads are done.
+#define MHC_CL_BLOCKS 8
+#define MHC_CL_TILE 4
+#define MHC_CL_THREADS 256
+#define MHC_CL_SLOTS 8  // per token: Σx², the 4 dots, 3 unused
+static_assert(MHC_CL_TILE * MHC_CL_SLOTS == 32, "the butterfly reduces one value per lane of 32");
+
+// One butterfly step over acc[0 .. 2 O): lanes with bit O keep the upper half, the others the
+// lower, each adding its partner's copy (the same pairs of lanes for every value).
+template <int O>
+__device__ __forceinline__ void mhc_cl_fold(float (&acc)[MHC_CL_TILE * MHC_CL_SLOTS], uint32_t lane) {
+    const bool upper = (lane & (uint32_t)O) != 0u;
+#pragma unroll
+    for (int j = 0; j < O; ++j) {
+        const float send = upper ? acc[j] : acc[j + O];
+        const float keep = upper ? acc[j + O] : acc[j];
+        acc[j] = keep + hf_shfl_xor(send, O);
+    }
+}
+
+HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
+    mhc_hc_head_cluster_n4(const hf_bf16* __restrict__ residual, const float* __restrict__ hc_fn,
+                           const float* __restrict__ scale, const float* __restrict__ base,
+                           hf_bf16* __restrict__ out, uint32_t T, uint32_t H, float rms_eps, float hc_eps) {
+#if defined(HF_HAS_CLUSTERS)
+    // Dynamic: fn slice [4 gates][chunks][8] f32, then the tile [MHC_CL_TILE][4][Hs] bf16.
+    extern __shared__ __align__(16) unsigned char mhc_cl_smem[];
+    __shared__ float red[MHC_CL_THREADS / 32][32];
+    __shared__ float part[2][32];
+    __shared__ float gate[MHC_CL_TILE][MHC_N];
+    const uint32_t tid = threadIdx.x, lane = tid % 32u, warp = tid / 32u;
+    const uint32_t rank = hf_cluster_rank();
+    const uint32_t Hs = H / MHC_CL_BLOCKS, cols = Hs / 8u, chunks = MHC_N * cols;
+    const uint32_t h_lo = rank * Hs;
+    const uint64_t D = (uint64_t)MHC_N * H;
+    float* fns = reinterpret_cast<float*>(mhc_cl_smem);
+    hf_bf16* tile_rows = reinterpret_cast<hf_bf16*>(fns + MHC_N * chunks * 8u);
+    for (uint32_t w = tid; w < MHC_N * chunks; w += MHC_CL_THREADS) {
+        const uint32_t g = w / chunks, q = w % chunks, i = q / cols, c = q % cols;
+        float f[8];
+        mhc_load_f8<true>(hc_fn + g * D + (uint64_t)i * H + h_lo + 8u * c, 8u, f);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) fns[w * 8u + e] = f[e];
+    }
+    const uint32_t tiles = (T + MHC_CL_TILE - 1u) / MHC_CL_TILE;
+    const uint32_t clusters = gridDim.x / MHC_CL_BLOCKS;
+    uint32_t buf = 0u;
+    for (uint32_t tile = blockIdx.x / MHC_CL_BLOCKS; tile < tiles; tile += clusters, buf ^= 1u) {
+        const uint32_t t0 = tile * MHC_CL_TILE;
+        __syncthreads();  // fns written; the last tile's readers of tile_rows, red and gate are done
+        float acc[MHC_CL_TILE * MHC_CL_SLOTS];
+#pragma unroll
+        for (int j = 0; j < MHC_CL_TILE * MHC_CL_SLOTS; ++j) acc[j] = 0.0f;
+        for (uint32_t q = tid; q < chunks; q += MHC_CL_THREADS) {
+            const uint32_t i = q / cols, c = q % cols;
+            mhc_u32x4 u[MHC_CL_TILE];
+#pragma unroll
+            for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
+                const uint32_t t = t0 + k;
+                u[k] = mhc_u32x4{0u, 0u, 0u, 0u};
+                if (t < T) u[k] = *reinterpret_cast<const mhc_u32x4*>(residual + t * D + (uint64_t)i * H + h_lo + 8u * c);
+            }
+            float x[MHC_CL_TILE][8];
+#pragma unroll
+            for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
+                *reinterpret_cast<mhc_u32x4*>(tile_rows + (k * MHC_N + i) * Hs + 8u * c) = u[k];
+                mhc_unpack(u[k], x[k]);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc[k * MHC_CL_SLOTS] = fmaf(x[k][e], x[k][e], acc[k * MHC_CL_SLOTS]);
+            }
+#pragma unroll
+            for (uint32_t g = 0; g < MHC_N; ++g) {
+                const float* wv = fns + (g * chunks + q) * 8u;
+                float wg[8];
+                mhc_load_f8<true>(wv, 8u, wg);
+#pragma unroll
+                for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[k * MHC_CL_SLOTS + 1u + g] = fmaf(x[k][e], wg[e], acc[k * MHC_CL_SLOTS + 1u + g]);
+                }
+            }
+        }
+        // Butterfly: lane l ends with the warp's sum of value l.
+        mhc_cl_fold<16>(acc, lane);
+        mhc_cl_fold<8>(acc, lane);
+        mhc_cl_fold<4>(acc, lane);
+        mhc_cl_fold<2>(acc, lane);
+        mhc_cl_fold<1>(acc, lane);
+        red[warp][lane] = acc[0];
+        __syncthreads();
+        if (tid < 32u) {
+            float s = red[0][tid];
+#pragma unroll
+            for (uint32_t w = 1; w < MHC_CL_THREADS / 32u; ++w) s += red[w][tid];
+            part[buf][tid] = s;
+        }
+        hf_cluster_sync();  // every block's partials of this tile are written
+        if (tid < MHC_CL_TILE * MHC_N) {
+            const uint32_t k = tid / MHC_N, i = tid % MHC_N;
+            float ss = 0.0f, dot = 0.0f;
+            for (uint32_t r = 0; r < MHC_CL_BLOCKS; ++r) {
+                ss += hf_cluster_load_f32(&part[buf][k * MHC_CL_SLOTS], r);
+                dot += hf_cluster_load_f32(&part[buf][k * MHC_CL_SLOTS + 1u + i], r);
+            }
+            gate[k][i] = mhc_stream_gate(ss, dot, H, scale[0], base[i], rms_eps, hc_eps);
+        }
+        __syncthreads();  // gates ready
+        for (uint32_t w = tid; w < MHC_CL_TILE * cols; w += MHC_CL_THREADS) {
+            const uint32_t k = w / cols, c = w % cols, t = t0 + k;
+            if (t >= T) continue;
+            float o[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) o[e] = 0.0f;
+#pragma unroll
+            for (uint32_t i = 0; i < MHC_N; ++i) {
+                float x[8];
+                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(tile_rows + (k * MHC_N + i) * Hs + 8u * c), x);
+#pragma unroll
+                for (int e = 0; e < 8; ++e) o[e] = fmaf(gate[k][i], x[e], o[e]);
+            }
+            *reinterpret_cast<mhc_u32x4*>(out + (uint64_t)t * H + h_lo + 8u * c) = mhc_repack(o);
+        }
+    }
+    hf_cluster_sync();  // no block leaves while the cluster may still read its partials
+#endif
+}

@@ -18,6 +18,7 @@ const CODE: &str = include_str!("kernels.cu");
 
 /// Entry point names.
 pub(crate) const HC_HEAD: &str = "mhc_hc_head_n4";
+pub(crate) const HC_HEAD_CLUSTER: &str = "mhc_hc_head_cluster_n4";
 pub(crate) const PRE: &str = "mhc_pre_n4";
 pub(crate) const FUSED_POST_PRE: &str = "mhc_fused_post_pre_n4";
 pub(crate) const POST: &str = "mhc_post_n4";
@@ -57,21 +58,42 @@ fn check_workspace(
     at_least(l, "sync", sync, 1 + 2 * tokens.div_ceil(tile))
 }
 
-fn hc_head_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+/// `hc_head` by the reference from the kernels' leading arguments (`residual, fn, scale, base,
+/// out`) for `t` tokens of hidden size `h`.
+fn hc_head_by_reference(l: &CpuLaunch<'_>, t: usize, h: usize, params: &HcHeadParams) -> HalResult<()> {
     let (residual, hc_fn, scale, base, out) =
         (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?, l.ptr::<bf16>(4)?);
-    let (partials, sync) = (l.ptr::<f32>(5)?, l.ptr::<u32>(6)?);
-    let (t, h) = (l.count(7)?, l.count(8)?);
-    let params = HcHeadParams { rms_eps: l.f32(9)?, hc_eps: l.f32(10)? };
-    check_workspace(l, t, h, HC_MULT + 1, partials.len(), sync.len(), 11)?;
     let (n, d) = (HC_MULT, HC_MULT * h);
     at_least(l, "residual", residual.len(), t * d)?;
     at_least(l, "out", out.len(), t * h)?;
     let r = residual.read(0, t * d)?;
     let mut o = vec![bf16::ZERO; t * h];
-    reference::hc_head_into(&r, &hc_fn.read(0, n * d)?, &scale.read(0, 1)?, &base.read(0, n)?, h, &params, &mut o)
+    reference::hc_head_into(&r, &hc_fn.read(0, n * d)?, &scale.read(0, 1)?, &base.read(0, n)?, h, params, &mut o)
         .map_err(|e| fail(l, e))?;
     out.write(0, &o)
+}
+
+fn hc_head_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (partials, sync) = (l.ptr::<f32>(5)?, l.ptr::<u32>(6)?);
+    let (t, h) = (l.count(7)?, l.count(8)?);
+    let params = HcHeadParams { rms_eps: l.f32(9)?, hc_eps: l.f32(10)? };
+    check_workspace(l, t, h, HC_MULT + 1, partials.len(), sync.len(), 11)?;
+    hc_head_by_reference(l, t, h, &params)
+}
+
+/// `mhc_hc_head_cluster_n4`: `hc_head` without workspace; the device launch needs clusters of
+/// [`crate::plan::CLUSTER_BLOCKS`] blocks.
+fn hc_head_cluster_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (t, h) = (l.count(5)?, l.count(6)?);
+    let params = HcHeadParams { rms_eps: l.f32(7)?, hc_eps: l.f32(8)? };
+    if t > 0 && l.cluster_blocks() as usize != crate::plan::CLUSTER_BLOCKS {
+        return Err(l.fail(format!(
+            "launched with clusters of {} blocks; the kernel needs {}",
+            l.cluster_blocks(),
+            crate::plan::CLUSTER_BLOCKS
+        )));
+    }
+    hc_head_by_reference(l, t, h, &params)
 }
 
 fn pre_params(l: &CpuLaunch<'_>, at: usize) -> HalResult<MhcPreParams> {
@@ -226,6 +248,8 @@ pub fn source() -> &'static KernelSource {
             Param::input::<f32>("base"),
             Param::output::<bf16>("out"),
         ];
+        let mut head_cluster = head.clone();
+        head_cluster.extend([u("T"), u("H"), f("rms_eps"), f("hc_eps")]);
         head.extend(workspace());
         head.extend([u("T"), u("H"), f("rms_eps"), f("hc_eps"), u("tile_tokens"), u("finish_tokens"), u("resident")]);
         let mut pre = vec![
@@ -269,6 +293,7 @@ pub fn source() -> &'static KernelSource {
             code: CODE,
             entries: vec![
                 KernelEntry { name: HC_HEAD, params: head, cpu: hc_head_cpu },
+                KernelEntry { name: HC_HEAD_CLUSTER, params: head_cluster, cpu: hc_head_cluster_cpu },
                 KernelEntry { name: PRE, params: pre, cpu: pre_cpu },
                 KernelEntry { name: FUSED_POST_PRE, params: fused, cpu: fused_post_pre_cpu },
                 KernelEntry { name: POST, params: post, cpu: post_cpu },
@@ -277,12 +302,13 @@ pub fn source() -> &'static KernelSource {
     })
 }
 
-/// The mHC module compiled for one device, with its four kernels looked up once. Build it once
+/// The mHC module compiled for one device, with its kernels looked up once. Build it once
 /// per device (compilation is cached by the HAL anyway) and before any capture.
 #[derive(Clone, Debug)]
 pub struct MhcKernels {
     pub(crate) module: Module,
     pub(crate) hc_head: Kernel,
+    pub(crate) hc_head_cluster: Kernel,
     pub(crate) pre: Kernel,
     pub(crate) fused_post_pre: Kernel,
     pub(crate) post: Kernel,
@@ -296,6 +322,7 @@ impl MhcKernels {
         let module = device.compile(source())?;
         Ok(MhcKernels {
             hc_head: module.kernel(HC_HEAD)?,
+            hc_head_cluster: module.kernel(HC_HEAD_CLUSTER)?,
             pre: module.kernel(PRE)?,
             fused_post_pre: module.kernel(FUSED_POST_PRE)?,
             post: module.kernel(POST)?,

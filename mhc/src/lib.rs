@@ -73,6 +73,15 @@
 //!   `tiles · (splits + finish items per tile)`. `hc_head` at decode sizes (T ≤ 16) instead lets
 //!   its `splits` projection items wait for each other, as resident items do, and each write its
 //!   own 256 `h` (no block reads whole rows). Grid: `splits`.
+//! - `hc_head` on thread-block clusters ([`MhcProjection::Clusters`], opt-in; NVIDIA sm_90+, `H` a
+//!   multiple of 64 up to 8192): clusters of 8 blocks of 256 threads, block `r` owning `h` in
+//!   `[r·H/8, (r+1)·H/8)` of every stream with its `fn` slice in shared memory for the whole
+//!   launch. Clusters take tiles of 4 tokens in turn; per tile each block reads its slice of the
+//!   rows once (kept in shared memory), sums its partial Σx² and dots over the block (a butterfly
+//!   per warp, then the warps in order), exchanges them through distributed shared memory after
+//!   one cluster barrier (summed in rank order, the same bits in every block) and writes its slice
+//!   of the outputs. Grid: up to two blocks per multiprocessor, whole clusters. Shared memory
+//!   `12·H` bytes per block.
 //! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.
 //! - Rows that are not 16-byte aligned or `H % 8 != 0` take element loads with the same
 //!   arithmetic (the same bits).

@@ -37,6 +37,12 @@ pub enum MhcProjection {
     TensorCores,
     /// f32 fused multiply-adds in the CPU reference's order on every device.
     Portable,
+    /// `hc_head` on thread-block clusters where the device has them (NVIDIA sm_90+) and `H` is a
+    /// multiple of 64 up to 8192: clusters of 8 blocks, each owning `H/8` of every stream, read
+    /// the residual once and exchange their partial sums through distributed shared memory (f32
+    /// fused multiply-adds in their own fixed order, batch-invariant). Residual, `fn` and output
+    /// views that are not 16-byte aligned, and every other op, run as [`MhcProjection::Auto`].
+    Clusters,
 }
 
 /// The weights of `hc_head` (§6.5), all f32.
@@ -89,11 +95,15 @@ pub struct MhcOps {
     pub(crate) kernels: MhcKernels,
     pub(crate) config: MhcConfig,
     /// Multiprocessors (compute units) of the device, for the launch shapes.
-    units: usize,
+    pub(crate) units: usize,
     /// The projection items' kernel path and tile (see [`MhcProjection`], [`MhcOps::with_tile_tokens`]).
     shape: plan::ReduceShape,
     /// The device runs bf16 `mma.sync`.
     has_mma: bool,
+    /// The device runs thread-block clusters.
+    has_clusters: bool,
+    /// `hc_head` runs on clusters ([`MhcProjection::Clusters`] where it fits).
+    head_clusters: bool,
     pub(crate) partials: Buffer<f32>,
     pub(crate) sync: Buffer<u32>,
 }
@@ -121,16 +131,36 @@ impl MhcOps {
         let sync = device.alloc_zeroed::<u32>("mhc.sync", 1 + 2 * t, true)?;
         let units = (device.info().compute_units as usize).max(1);
         let has_mma = device.info().has_bf16_mma();
+        let has_clusters = device.info().has_clusters();
         let max_shared = device.info().max_shared_mem_per_block;
         let shape = plan::ReduceShape { mma: has_mma, head_mma: false, tile_tokens: None, max_shared };
-        Ok(MhcOps { kernels: kernels.clone(), config, units, shape, has_mma, partials, sync })
+        Ok(MhcOps {
+            kernels: kernels.clone(),
+            config,
+            units,
+            shape,
+            has_mma,
+            has_clusters,
+            head_clusters: false,
+            partials,
+            sync,
+        })
     }
 
     /// Chooses the split-reduction ops' kernel path ([`MhcProjection`]; `Auto` by default).
     pub fn with_projection(mut self, projection: MhcProjection) -> Self {
         self.shape.mma = projection != MhcProjection::Portable && self.has_mma;
         self.shape.head_mma = projection == MhcProjection::TensorCores && self.has_mma;
+        self.head_clusters = projection == MhcProjection::Clusters
+            && self.has_clusters
+            && plan::cluster_head_fits(self.config.hidden, self.shape.max_shared);
         self
+    }
+
+    /// Whether `op` runs on thread-block clusters: `hc_head` under [`MhcProjection::Clusters`] on a
+    /// device with clusters, at a hidden size that fits (16-byte aligned views assumed).
+    pub fn uses_clusters(&self, op: MhcOp) -> bool {
+        op == MhcOp::HcHead && self.head_clusters
     }
 
     /// Whether `op` runs on tensor cores (resident items): its [`MhcProjection`] choice, on an
@@ -166,11 +196,15 @@ impl MhcOps {
         self.partials.bytes() + self.sync.bytes()
     }
 
-    /// The launch `op` makes for `tokens` tokens (`None` for 0: nothing is launched). A function of
-    /// `tokens` for a given `MhcOps`, so every call at a padded size launches the same shape.
+    /// The launch `op` makes for `tokens` tokens (`None` for 0: nothing is launched), with 16-byte
+    /// aligned views (see [`MhcProjection::Clusters`]). A function of `tokens` for a given
+    /// `MhcOps`, so every call at a padded size launches the same shape.
     pub fn launch_config(&self, op: MhcOp, tokens: usize) -> Option<LaunchConfig> {
         if tokens == 0 {
             return None;
+        }
+        if self.uses_clusters(op) {
+            return Some(plan::cluster_head(tokens, self.config.hidden, self.units));
         }
         Some(match Reduce::of(op) {
             Some(kind) => self.reduce_plan(kind, tokens).config,

@@ -441,8 +441,13 @@ fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(
         .expect("reference");
         let pre_f64 = common::pre_f64(&residual, &w_pre, hidden, &pp);
         let fused_f64 = common::fused_f64(&inp, &w_pre, hidden, &pp).1;
-        for projection in [MhcProjection::Auto, MhcProjection::TensorCores, MhcProjection::Portable] {
+        for projection in
+            [MhcProjection::Auto, MhcProjection::TensorCores, MhcProjection::Portable, MhcProjection::Clusters]
+        {
             let base = fx.ops(hidden, t).with_projection(projection);
+            let clusters = projection == MhcProjection::Clusters && dev.info().has_clusters() && hidden % 64 == 0;
+            assert_eq!(base.uses_clusters(MhcOp::HcHead), clusters, "{projection:?} at H {hidden}");
+            assert!(!base.uses_clusters(MhcOp::Pre) && !base.uses_clusters(MhcOp::FusedPostPre));
             let mma = dev.info().has_bf16_mma();
             let tc = projection != MhcProjection::Portable && mma;
             assert_eq!(base.uses_tensor_cores(MhcOp::Pre), tc, "{projection:?} on {}", dev.info().arch);
@@ -499,6 +504,59 @@ fn invariance_sizes(dev: &Device) -> (usize, usize) {
 }
 
 const ROWS: [usize; 4] = [0, 1, 517, 999];
+
+fn hc_head_on_clusters_matches_the_reference_is_batch_invariant_and_replays_as_eager(dev: &Device) {
+    let fx = Fx::new(dev);
+    let hp = HcHeadParams::default();
+    let mut rng = Rng::new(12);
+    let light = is_cpu(dev) && cfg!(debug_assertions);
+    let hiddens: &[usize] = if light { &[64, 1024] } else { &[64, 4096, 7168] };
+    for &hidden in hiddens {
+        let t = if light { 40 } else { 1000 };
+        let d = N * hidden;
+        let ops = fx.ops(hidden, t).with_projection(MhcProjection::Clusters);
+        assert_eq!(ops.uses_clusters(MhcOp::HcHead), dev.info().has_clusters(), "H {hidden}");
+        let w = Weights::random(&mut rng, N, hidden, 1);
+        let residual = rng.bf16s(t * d, 1.5);
+        let head = HeadBufs::new(&fx, &residual, &w, hidden);
+        head.run(&fx, &ops, &hp).expect("hc_head");
+        let all = fx.read(&head.out.view());
+        let want = reference::hc_head(&residual, &w.hc_fn, &w.scale, &w.base, hidden, &hp).expect("reference");
+        check_bf16(dev, &format!("hc_head on clusters H={hidden} T={t}"), &all, &want);
+        // A row alone, and every other token count up to a tile past it, gives the same bits.
+        for r in [0, 1, 3, t / 2 + 1, t - 1] {
+            for take in [1, 2, 5] {
+                let rows = take.min(t - r);
+                let one = HeadBufs::new(&fx, &residual[r * d..(r + rows) * d], &w, hidden);
+                one.run(&fx, &ops, &hp).expect("hc_head alone");
+                assert_eq!(
+                    bits_bf16(&fx.read(&one.out.view())),
+                    bits_bf16(&all[r * hidden..(r + rows) * hidden]),
+                    "rows {r}..{} of {t} (H={hidden})",
+                    r + rows
+                );
+            }
+        }
+        // Captured once, replayed over fresh rows: the eager bits each time.
+        let g_in = HeadBufs::new(&fx, &residual, &w, hidden);
+        fx.s.begin_capture("hc_head clusters").expect("begin");
+        g_in.run(&fx, &ops, &hp).expect("captured hc_head");
+        let g = fx.s.end_capture().expect("end");
+        assert_eq!(g.op_count(), 1, "one launch");
+        for step in 0..2 {
+            let fresh = rng.bf16s(t * d, 1.0);
+            fx.write(&g_in.residual, &fresh);
+            fx.write(&head.residual, &fresh);
+            g.replay(&fx.s).expect("replay");
+            head.run(&fx, &ops, &hp).expect("eager");
+            assert_eq!(
+                bits_bf16(&fx.read(&g_in.out.view())),
+                bits_bf16(&fx.read(&head.out.view())),
+                "replay {step} (H={hidden})"
+            );
+        }
+    }
+}
 
 fn a_row_alone_equals_the_same_row_in_a_batch_of_1000(dev: &Device) {
     let fx = Fx::new(dev);
@@ -851,4 +909,5 @@ holdfast_hal::device_suite!(
     unaligned_views_give_the_same_bits,
     misuse_is_a_precise_error_and_launches_nothing,
     both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits,
+    hc_head_on_clusters_matches_the_reference_is_batch_invariant_and_replays_as_eager,
 );
