@@ -1256,7 +1256,7 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
                            const float* __restrict__ scale, const float* __restrict__ base,
                            hf_bf16* __restrict__ out, uint32_t T, uint32_t H, float rms_eps, float hc_eps) {
 #if defined(HF_HAS_CLUSTERS)
-    // Dynamic: fn slice [4 gates][chunks][8] f32, then the tile [MHC_CL_TILE][4][Hs] bf16.
+    // Dynamic: fn slice [4 gates][2 halves][chunks][4] f32, then the tile [MHC_CL_TILE][4][Hs] bf16.
     extern __shared__ __align__(16) unsigned char mhc_cl_smem[];
     __shared__ float red[MHC_CL_THREADS / 32][32];
     __shared__ float part[2][32];
@@ -1268,12 +1268,15 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     const uint64_t D = (uint64_t)MHC_N * H;
     float* fns = reinterpret_cast<float*>(mhc_cl_smem);
     hf_bf16* tile_rows = reinterpret_cast<hf_bf16*>(fns + MHC_N * chunks * 8u);
+    // fns[((2 g + half) chunks + q) 4 + e] = fn[g][chunk q's element 4 half + e]: a warp's
+    // 16-byte reads of one (g, half) are consecutive (no bank conflicts).
     for (uint32_t w = tid; w < MHC_N * chunks; w += MHC_CL_THREADS) {
         const uint32_t g = w / chunks, q = w % chunks, i = q / cols, c = q % cols;
         float f[8];
         mhc_load_f8<true>(hc_fn + g * D + (uint64_t)i * H + h_lo + 8u * c, 8u, f);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) fns[w * 8u + e] = f[e];
+        mhc_f32x4* dst = reinterpret_cast<mhc_f32x4*>(fns);
+        dst[(2u * g) * chunks + q] = mhc_f32x4{f[0], f[1], f[2], f[3]};
+        dst[(2u * g + 1u) * chunks + q] = mhc_f32x4{f[4], f[5], f[6], f[7]};
     }
     const uint32_t tiles = (T + MHC_CL_TILE - 1u) / MHC_CL_TILE;
     const uint32_t clusters = gridDim.x / MHC_CL_BLOCKS;
@@ -1303,9 +1306,9 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             }
 #pragma unroll
             for (uint32_t g = 0; g < MHC_N; ++g) {
-                const float* wv = fns + (g * chunks + q) * 8u;
-                float wg[8];
-                mhc_load_f8<true>(wv, 8u, wg);
+                const mhc_f32x4* wv = reinterpret_cast<const mhc_f32x4*>(fns);
+                const mhc_f32x4 lo = wv[(2u * g) * chunks + q], hi = wv[(2u * g + 1u) * chunks + q];
+                const float wg[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
                 for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
 #pragma unroll
