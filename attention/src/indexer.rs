@@ -25,9 +25,9 @@
 //!    Up to six digit levels (11 bits each from the top of the item, fewer at the bottom) each
 //!    build a shared-memory histogram of the items that match the prefix found so far and narrow
 //!    the prefix to the bin holding the k-th largest item (a search over items in shared memory
-//!    starts below the bits they all share); the search stops at the first level where every item on the
-//!    prefix is taken (the last level's prefix is one whole item), so ties at the cut go to the
-//!    lower index by construction. The levels run over the items in shared memory
+//!    starts below the bits they all share); the search stops at the first level where every
+//!    item on the prefix is taken (the last level's prefix is one whole item), so ties at the cut
+//!    go to the lower index by construction. The levels run over the items in shared memory
 //!    ([`TOPK_SHARED_CANDIDATES`]) when they hold the row's top k: the whole row when it fits,
 //!    else the items at or above a threshold `tau` gathered in one pass over the row, where `tau`
 //!    is a high logit of a fixed sample of the row ([`TOPK_SAMPLES`] entries at
@@ -37,11 +37,11 @@
 //!    the workspace until the prefix's group fits, and one more pass over the row moves the
 //!    items above the prefix into the selection and the group into shared memory. The sample
 //!    only decides which way a row is searched: every path selects the same exact items. The
-//!    `min(n_t, k)` selected items (all of them when `n_t ≤ k`, with no
-//!    search) are put in order and written, `-1` after: each goes to the first position of its
-//!    bin of the 11 bits below the prefix they all share (bins in descending order) plus its rank
-//!    among that bin's items; where a bin holds more than 64 items, a merge sort (each warp's by
-//!    a bitonic network over shuffles, then runs merged pairwise by rank) orders them instead. Histogram counts are
+//!    `min(n_t, k)` selected items (all of them when `n_t ≤ k`, with no search) are put in order
+//!    and written, `-1` after: each goes to the first position of its bin of the 11 bits below the
+//!    prefix they all share (bins in descending order) plus its rank among that bin's items;
+//!    where a bin holds more than 64 items, a merge sort (each warp's by a bitonic network over
+//!    shuffles, then runs merged pairwise by rank) orders them instead. Histogram counts are
 //!    order-independent and items are unique, so the output depends only on the row's values,
 //!    not on thread timing. Static shared memory: a 2048-bin histogram (8 KiB), the selection
 //!    ([`TOPK_MAX`] = 1024 items, 8 KiB) and the candidates (3584 items, 28 KiB), 45 KiB in all;
@@ -178,15 +178,15 @@ __device__ __forceinline__ uint32_t hf_topk_suffix_sum(uint32_t v) {
     return v;
 }
 
-// Calls f(x, base0 + c) once for every c < cn with x = row[c] (row points at entry `base0`), c owned
-// by this thread (which thread owns which c is irrelevant to the result). The aligned body is
-// read as 16-byte vectors, four per thread in flight.
+// Calls f(item(base0 + c)) once for every c < cn (row points at entry `base0`), c owned by this
+// thread (which thread owns which c is irrelevant to the result). The aligned body is read as
+// 16-byte vectors, four per thread in flight.
 template <typename F>
-__device__ __forceinline__ void hf_topk_each_value(const float* row, uint32_t cn, uint32_t base0, F& f) {
+__device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, uint32_t base0, F& f) {
     const uint32_t tid = threadIdx.x;
     uint32_t head = (4u - (uint32_t)((reinterpret_cast<uint64_t>(row) >> 2) & 3u)) & 3u;
     if (head > cn) head = cn;
-    if (tid < head) f(row[tid], base0 + tid);
+    if (tid < head) f(hf_topk_item(row[tid], base0 + tid));
     const uint32_t nv = (cn - head) / 4u;
     const hf_idx_f4* body = reinterpret_cast<const hf_idx_f4*>(row + head);
     for (uint32_t base = 0; base < nv; base += 4u * HF_TOPK_THREADS) {
@@ -201,19 +201,19 @@ __device__ __forceinline__ void hf_topk_each_value(const float* row, uint32_t cn
             const uint32_t j = base + u * HF_TOPK_THREADS + tid;
             if (j < nv) {
 #pragma unroll
-                for (uint32_t e = 0; e < 4u; ++e) f(v[u].v[e], base0 + head + 4u * j + e);
+                for (uint32_t e = 0; e < 4u; ++e) f(hf_topk_item(v[u].v[e], base0 + head + 4u * j + e));
             }
         }
     }
-    for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) f(row[c], base0 + c);
+    for (uint32_t c = head + 4u * nv + tid; c < cn; c += HF_TOPK_THREADS) f(hf_topk_item(row[c], base0 + c));
 }
 
 // Appends item(base0 + c) for every c < cn with row[c] >= tau to cand (in no particular order;
 // *count counts them, the writes stop at HF_TOPK_CAP), and folds them into this thread's all
-// (AND) and any (OR). The aligned body is read as 16-byte
-// vectors, four per thread in flight (the next four loading while these are written), and a
-// thread claims the slots of a round's passes with one atomic (the passes are few and
-// scattered: one atomic per pass would serialise on the counter).
+// (AND) and any (OR). The aligned body is read as 16-byte vectors, four per thread in flight (the
+// next four loading while these are written), and a thread claims the slots of a round's passes
+// with one atomic (the passes are few and scattered: one atomic per pass would serialise on the
+// counter).
 __device__ __forceinline__ void hf_topk_gather(const float* row, uint32_t cn, uint32_t base0, float tau,
                                                uint64_t* cand, uint32_t* count, uint64_t& all, uint64_t& any) {
     const uint32_t tid = threadIdx.x;
@@ -284,13 +284,6 @@ __device__ __forceinline__ void hf_topk_load_row(const float* row, uint32_t cn, 
     }
 }
 
-// Calls f(item(base0 + c)) once for every c < cn, as hf_topk_each_value.
-template <typename F>
-__device__ __forceinline__ void hf_topk_each_row(const float* row, uint32_t cn, uint32_t base0, F& f) {
-    auto g = [&](float x, uint32_t c) { f(hf_topk_item(x, c)); };
-    hf_topk_each_value(row, cn, base0, g);
-}
-
 // Folds this warp's all (AND) and any (OR) into span[0] and span[1] (shared atomics, one per warp;
 // span starts at ~0 and 0). Every lane of the warp calls it; the caller's next barrier makes the
 // block's AND and OR visible.
@@ -349,9 +342,9 @@ __device__ __forceinline__ void hf_topk_find(const uint32_t* hist, uint32_t need
 // bits: the lower edge of the 22-bit key bin (two digit levels) that holds it, so at least r
 // samples pass. A row typically holds about 1.5 k + 16 cn / HF_TOPK_SAMPLES entries >= tau;
 // the caller checks the count it finds, so tau only decides how fast a row is searched, never
-// what is selected. For
-// keys, tau is exact: a number x has key(x) >= key(tau) exactly when x >= tau (-0 equals +0 in
-// both), and a NaN never passes. Clears hist before its first barrier; ends with a barrier.
+// what is selected. For keys, tau is exact: a number x has key(x) >= key(tau) exactly when
+// x >= tau (-0 equals +0 in both), and a NaN never passes. Clears hist before its first
+// barrier; ends with a barrier.
 #define HF_TOPK_SAMPLES (2 * HF_TOPK_THREADS)
 __device__ __forceinline__ float hf_topk_threshold(const float* row, uint32_t cn, uint32_t k, uint32_t* hist,
                                                    uint32_t* wsum, uint32_t* res) {
@@ -395,13 +388,12 @@ __device__ __forceinline__ float hf_topk_threshold(const float* row, uint32_t cn
 // items still to take among those matching the prefix (1 <= need <= eq, the prefix's count). When
 // need == eq, every item whose prefix is >= pval is selected and the search stops (at the latest
 // at l = 5, where the prefix is a whole item and eq = 1; a search that starts in cand starts
-// below the bits all of cand's items share). When cand can start with a set of
-// items that holds the top k (the whole row if it fits, else the items >= the sampled
-// threshold of hf_topk_threshold when there are k to HF_TOPK_CAP of them), every level reads
-// cand. Otherwise items are read from the global row until the prefix's group fits in cand: one
-// more pass over the row then stores the items above the prefix in sel and the group in cand,
-// and later levels read cand.
-// Selected items land in sel at atomic slots (order irrelevant: they are put in order before the
+// below the bits all of cand's items share). When cand can start with a set of items that holds
+// the top k (the whole row if it fits, else the items >= the sampled threshold of
+// hf_topk_threshold when there are k to HF_TOPK_CAP of them), every level reads cand. Otherwise
+// items are read from the global row until the prefix's group fits in cand: one more pass over
+// the row then stores the items above the prefix in sel and the group in cand, and later levels
+// read cand. Selected items land in sel at atomic slots (order irrelevant: they are put in order before the
 // write-out, and items are unique), so the output depends on the row's values alone.
 HF_KERNEL void __launch_bounds__(HF_TOPK_THREADS)
 hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
