@@ -76,6 +76,10 @@ pub(crate) trait DeviceOps {
     /// Compiles every entry of `src`, in order.
     fn compile(&self, src: &KernelSource) -> Result<Vec<KernelImpl>>;
     fn synchronize(&self) -> Result<()>;
+    /// How many clusters of `cluster` blocks of `kernel` with `cfg`'s block shape and dynamic
+    /// shared memory the whole device runs at once (checked by the front end: the device has
+    /// clusters, `cluster` is in range).
+    fn max_active_clusters(&self, kernel: &KernelImpl, cfg: &LaunchConfig, cluster: u32) -> Result<u32>;
 }
 
 #[enum_dispatch(DeviceOps)]

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use crate::backend::{DeviceImpl, DeviceOps, MemImpl};
 use crate::dtype::Element;
 use crate::error::{CaptureOp, HalError, Result};
-use crate::kernel::{Kernel, KernelSource, Module};
+use crate::kernel::{Kernel, KernelSource, LaunchConfig, Module};
 use crate::memory::{Allocation, Buffer, MappedBuffer, MemStats, PinnedAlloc, PinnedBuffer};
 use crate::stream::{Event, Stream, StreamPriority};
 
@@ -401,6 +401,21 @@ impl Device {
         let module = Module { device_id: self.shared.id, source_name: src.name, kernels };
         lock(&self.shared.modules).insert(key, module.clone());
         Ok(module)
+    }
+
+    /// How many clusters of `cluster` blocks of `kernel`, each block shaped as `cfg` (its block
+    /// and dynamic shared memory; the grid is ignored), this device runs at once (NVIDIA:
+    /// `cuOccupancyMaxActiveClusters`, which counts the processing clusters a cluster must fit
+    /// in). A grid of persistent clusters sized by it never leaves a cluster waiting for another
+    /// to finish. 0 when one cluster does not fit. The CPU backend models an sm_90 device with
+    /// one multiprocessor per host thread and reports at least 1 where a block fits. Refused as
+    /// [`Stream::launch_cluster`] refuses: a device without clusters, a cluster size outside
+    /// `1..=`[`crate::MAX_CLUSTER_BLOCKS`], a kernel of another device, an invalid block shape.
+    pub fn max_active_clusters(&self, kernel: &Kernel, cfg: LaunchConfig, cluster: u32) -> Result<u32> {
+        self.check_owner(kernel.device_id, kernel.name())?;
+        crate::stream::check_cluster(&self.shared.info, kernel.name(), cluster)?;
+        LaunchConfig { grid: (cluster, 1, 1), ..cfg }.validate(kernel.name())?;
+        self.shared.inner.max_active_clusters(&kernel.inner, &cfg, cluster)
     }
 
     /// Number of modules in this device's cache.

@@ -181,19 +181,12 @@ impl Stream {
     /// an [`HalError::InvalidLaunch`] and nothing runs. The CPU backend, which stands for an
     /// sm_90 device, checks the same and runs the kernel's reference as for any launch.
     pub fn launch_cluster(&self, kernel: &Kernel, cfg: LaunchConfig, cluster: u32, args: &[Arg]) -> Result<()> {
-        let bad = |detail: String| Err(HalError::InvalidLaunch { kernel: kernel.name().to_string(), detail });
-        let info = &self.device.info;
-        if !info.has_clusters() {
-            return bad(format!(
-                "thread-block clusters need an NVIDIA sm_90 or newer device; this is {} ({}:{}, {})",
-                info.name, info.backend, info.ordinal, info.arch
-            ));
-        }
-        if cluster == 0 || cluster > MAX_CLUSTER_BLOCKS {
-            return bad(format!("a cluster of {cluster} blocks; 1 to {MAX_CLUSTER_BLOCKS} are supported"));
-        }
+        check_cluster(&self.device.info, kernel.name(), cluster)?;
         if !cfg.grid.0.is_multiple_of(cluster) {
-            return bad(format!("grid {:?}: x must be a multiple of the cluster's {cluster} blocks", cfg.grid));
+            return Err(HalError::InvalidLaunch {
+                kernel: kernel.name().to_string(),
+                detail: format!("grid {:?}: x must be a multiple of the cluster's {cluster} blocks", cfg.grid),
+            });
         }
         self.launch_with(kernel, cfg, args, LaunchMode { dependent: false, cluster })
     }
@@ -544,4 +537,20 @@ impl Event {
         end.synchronize()?;
         self.inner.elapsed_ms(&end.inner)
     }
+}
+
+/// Refuses clusters of `cluster` blocks of `kernel` on a device without clusters or outside
+/// `1..=MAX_CLUSTER_BLOCKS`, naming the kernel.
+pub(crate) fn check_cluster(info: &crate::DeviceInfo, kernel: &str, cluster: u32) -> Result<()> {
+    let bad = |detail: String| Err(HalError::InvalidLaunch { kernel: kernel.to_string(), detail });
+    if !info.has_clusters() {
+        return bad(format!(
+            "thread-block clusters need an NVIDIA sm_90 or newer device; this is {} ({}:{}, {})",
+            info.name, info.backend, info.ordinal, info.arch
+        ));
+    }
+    if cluster == 0 || cluster > MAX_CLUSTER_BLOCKS {
+        return bad(format!("a cluster of {cluster} blocks; 1 to {MAX_CLUSTER_BLOCKS} are supported"));
+    }
+    Ok(())
 }

@@ -668,6 +668,52 @@ fn cluster_launch_misuse_is_an_error_and_launches_nothing(dev: &Device) {
     assert_eq!(s.copy_to_host_sync(&out.view()).expect("out"), vec![-7.0f32; n], "nothing ran");
 }
 
+fn active_clusters_shrink_with_the_blocks_and_refuse_misuse(dev: &Device) {
+    let sum = kernel(dev, "hf_cluster_sum");
+    let shaped = |threads: u32, smem: u32| LaunchConfig { shared_mem_bytes: smem, ..LaunchConfig::blocks(1, threads) };
+    if !dev.info().has_clusters() {
+        let e = dev.max_active_clusters(&sum, shaped(64, 0), 2).expect_err("no clusters here");
+        assert!(matches!(e, HalError::InvalidLaunch { .. }), "{e}");
+        return;
+    }
+    let count = |threads: u32, smem: u32, cluster: u32| {
+        dev.max_active_clusters(&sum, shaped(threads, smem), cluster)
+            .unwrap_or_else(|e| panic!("{threads} threads, {smem} B, clusters of {cluster}: {e}"))
+    };
+    let units = dev.info().compute_units;
+    for cluster in [1u32, 2, 4, 8] {
+        let small = count(64, 0, cluster);
+        // A fat block (most of a multiprocessor's shared memory) leaves room for fewer clusters.
+        let fat = count(64, 150 * 1024, cluster);
+        assert!(small >= 1 && fat >= 1, "clusters of {cluster}: {small} small, {fat} fat");
+        assert!(fat <= small, "clusters of {cluster}: {fat} fat > {small} small");
+        if dev.info().backend != holdfast_hal::BackendKind::Cpu {
+            // One fat block per multiprocessor at most: never more blocks than multiprocessors.
+            assert!(fat * cluster <= units, "clusters of {cluster}: {fat} fat over {units} units");
+        }
+        eprintln!("{}: clusters of {cluster}: {small} of 64-thread blocks, {fat} of 150 KiB blocks", dev.info().name);
+    }
+    for (cfg, cluster, what) in [
+        (shaped(64, 0), 0u32, "1 to 8"),
+        (shaped(64, 0), 9, "1 to 8"),
+        (shaped(2048, 0), 2, "threads"),
+        (shaped(64, 0), 2, ""),
+    ] {
+        let got = dev.max_active_clusters(&sum, cfg, cluster);
+        if what.is_empty() {
+            assert!(got.is_ok());
+            continue;
+        }
+        let e = got.expect_err("misuse");
+        assert!(matches!(e, HalError::InvalidLaunch { .. }) && e.to_string().contains(what), "{e}");
+    }
+    let other = Device::cpu().expect("cpu");
+    if other.id() != dev.id() {
+        let e = other.max_active_clusters(&sum, shaped(64, 0), 2).expect_err("a kernel of another device");
+        assert!(matches!(e, HalError::DeviceMismatch(_)), "{e}");
+    }
+}
+
 holdfast_hal::device_suite!(
     setup = super::module_for_setup;     eager_kernels_match_their_host_definition,
     memset_copy_and_views_keep_addresses,
@@ -691,4 +737,5 @@ holdfast_hal::device_suite!(
     mapped_host_memory_is_used_in_place,
     a_cluster_launch_reads_the_shared_memory_of_its_blocks,
     cluster_launch_misuse_is_an_error_and_launches_nothing,
+    active_clusters_shrink_with_the_blocks_and_refuse_misuse,
 );

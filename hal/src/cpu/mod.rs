@@ -184,6 +184,33 @@ impl DeviceOps for CpuDevice {
     fn synchronize(&self) -> Result<()> {
         Ok(())
     }
+
+    /// The emulator stands for an sm_90 device with one multiprocessor per host thread: blocks
+    /// per multiprocessor as its thread, block and shared-memory limits allow, whole clusters
+    /// over all of them, and at least one cluster whenever a block fits (the emulator runs any
+    /// number of clusters, one after another).
+    fn max_active_clusters(&self, _kernel: &KernelImpl, cfg: &LaunchConfig, cluster: u32) -> Result<u32> {
+        Ok(sm90_active_clusters(cfg, cluster, rayon::current_num_threads() as u32))
+    }
+}
+
+/// Shared memory of one sm_90 multiprocessor, bytes (228 KiB).
+const SM90_SHARED_MEM_PER_UNIT: u64 = 228 * 1024;
+/// Shared memory the sm_90 hardware reserves for each resident block, bytes.
+const SM90_RESERVED_SHARED_PER_BLOCK: u64 = 1024;
+
+/// Clusters of `cluster` blocks shaped as `cfg` that `units` sm_90 multiprocessors hold at once
+/// (at most 2048 threads, 32 blocks and 228 KiB of shared memory per multiprocessor); 0 when one
+/// block does not fit, at least 1 otherwise.
+fn sm90_active_clusters(cfg: &LaunchConfig, cluster: u32, units: u32) -> u32 {
+    let threads = cfg.threads_per_block().max(1);
+    let smem = u64::from(cfg.shared_mem_bytes);
+    if smem > u64::from(crate::device::SM90_MAX_SHARED_MEM_PER_BLOCK) || threads > 1024 {
+        return 0;
+    }
+    let per_unit = (2048 / threads).min(32).min(SM90_SHARED_MEM_PER_UNIT / (smem + SM90_RESERVED_SHARED_PER_BLOCK));
+    let clusters = u64::from(units) * per_unit / u64::from(cluster.max(1));
+    u32::try_from(clusters.max(u64::from(per_unit > 0))).unwrap_or(u32::MAX)
 }
 
 fn bad_addr(kernel: &str, arg: &str, addr: u64, bytes: usize, why: String) -> HalError {

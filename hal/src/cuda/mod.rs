@@ -251,6 +251,38 @@ impl DeviceOps for CudaDevice {
     fn synchronize(&self) -> Result<()> {
         self.ctx.synchronize().map_err(drv("cuCtxSynchronize"))
     }
+
+    fn max_active_clusters(&self, kernel: &KernelImpl, cfg: &LaunchConfig, cluster: u32) -> Result<u32> {
+        #[allow(unreachable_patterns)]
+        let f = match kernel {
+            KernelImpl::Cuda(k) => k.f.0,
+            _ => return Err(wrong_backend("kernel")),
+        };
+        self.bind()?;
+        // SAFETY: a plain C struct (an id, padding and a union of plain values): all-zero is valid.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cluster,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: cfg.block.0,
+            blockDimY: cfg.block.1,
+            blockDimZ: cfg.block.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: std::ptr::null_mut(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut n: std::ffi::c_int = 0;
+        // SAFETY: `f` belongs to this (current) context; `config` and `attr` outlive the call;
+        // out-parameter.
+        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f, &config) }
+            .result()
+            .map_err(drv("cuOccupancyMaxActiveClusters"))?;
+        Ok(u32::try_from(n).unwrap_or(0))
+    }
 }
 
 fn load_module(image: &[u8]) -> std::result::Result<sys::CUmodule, DriverError> {

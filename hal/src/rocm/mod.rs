@@ -224,6 +224,11 @@ impl DeviceOps for RocmDevice {
         // SAFETY: no arguments.
         check("hipDeviceSynchronize", unsafe { hip::hipDeviceSynchronize() })
     }
+
+    /// Unreachable through the front end, which refuses clusters on devices without them.
+    fn max_active_clusters(&self, _kernel: &KernelImpl, _cfg: &LaunchConfig, _cluster: u32) -> Result<u32> {
+        Ok(0)
+    }
 }
 
 struct ModuleHandle {
