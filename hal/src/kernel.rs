@@ -227,9 +227,15 @@ impl LaunchConfig {
     }
 }
 
-/// Most blocks one thread-block cluster may hold ([`crate::Stream::launch_cluster`]): the portable
-/// cluster size of NVIDIA sm_90, which every such device schedules.
-pub const MAX_CLUSTER_BLOCKS: u32 = 8;
+/// Most blocks one thread-block cluster may hold ([`crate::Stream::launch_cluster`]): NVIDIA
+/// sm_90's non-portable cluster size, which the HAL allows on every kernel it loads for such a
+/// device. Clusters of up to [`PORTABLE_CLUSTER_BLOCKS`] run on every sm_90 device; whether a larger
+/// one fits a given kernel and device is what [`crate::Device::max_active_clusters`] answers (0
+/// when it does not).
+pub const MAX_CLUSTER_BLOCKS: u32 = 16;
+
+/// The cluster size every NVIDIA sm_90 device schedules for any kernel whose blocks fit.
+pub const PORTABLE_CLUSTER_BLOCKS: u32 = 8;
 
 /// How a launch runs beside the work around it, past its grid and block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -76,7 +76,7 @@ pub use graph::Graph;
 pub use half::{bf16, f16};
 pub use kernel::{
     Access, Arg, CpuKernelFn, Kernel, KernelEntry, KernelSource, LaunchConfig, Module, Param, ParamKind, ScalarKind,
-    MAX_CLUSTER_BLOCKS, PORTABILITY_HEADER,
+    MAX_CLUSTER_BLOCKS, PORTABILITY_HEADER, PORTABLE_CLUSTER_BLOCKS,
 };
 pub use memory::{Buffer, MappedBuffer, MemStats, PinnedBuffer, RawView, View};
 pub use stream::{Event, Stream, StreamPriority};

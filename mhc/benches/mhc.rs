@@ -152,10 +152,10 @@ fn bench(c: &mut Criterion) {
         };
         // Both paths side by side where the device has tensor cores (the default takes, per op,
         // the one that measured faster); the portable path alone elsewhere; and `hc_head` on
-        // thread-block clusters where the device has them.
+        // thread-block clusters (the default's choice) where the device has them.
         let tensor = with(MhcProjection::TensorCores);
         let portable = with(MhcProjection::Portable);
-        let clusters = with(MhcProjection::Clusters);
+        let clusters = with(MhcProjection::Auto);
         let bufs = Bufs::new(&dev, &s, hidden, max_t);
         for op in MhcOp::ALL {
             let mut g = c.benchmark_group(format!("{}/H={hidden}", op.name()));

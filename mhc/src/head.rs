@@ -44,8 +44,8 @@ impl MhcOps {
         if self.uses_clusters(MhcOp::HcHead) && aligned {
             stream.launch_cluster(
                 &self.kernels.hc_head_cluster,
-                plan::cluster_head(t, h, self.units),
-                plan::CLUSTER_BLOCKS as u32,
+                plan::cluster_head(t, h, self.head_cluster_slots),
+                plan::cluster_blocks(h) as u32,
                 &[
                     residual.into(),
                     weights.hc_fn.into(),

@@ -1217,37 +1217,40 @@ HF_KERNEL void __launch_bounds__(MHC_POST_THREADS) mhc_post_n4(
 }
 
 // ---- hc_head on thread-block clusters (NVIDIA sm_90+; Stream::launch_cluster) -------------------
-// Clusters of MHC_CL_BLOCKS blocks; block `rank` of a cluster owns h in [rank Hs, (rank + 1) Hs) of
-// every stream (Hs = H / MHC_CL_BLOCKS; H a multiple of 8 MHC_CL_BLOCKS, at most 8192: the host
-// checks). The block's slice of fn stays in shared memory for the whole launch. Clusters take
-// tiles of MHC_CL_TILE tokens in turn; per tile every block
-//   1. reads its slice of the tile's rows once, one 16-byte chunk (stream i, h 8c .. 8c + 8) per
-//      thread and token, keeping it in shared memory for step 4;
-//   2. forms each token's partial Σx² and 4 dots over its chunks, then sums them over the block:
-//      a butterfly within each warp (32 values: a tile's 4 tokens × 8 slots, 5 used; every value
-//      takes the same tree over the lanes) and the warps in order;
-//   3. after a cluster barrier, sums the cluster's 8 block partials in rank order (distributed
-//      shared memory; the same bits in every block) and forms the gates (mhc_stream_gate);
-//   4. writes its slice of the tile's outputs, Σ_i g_i x_i in stream order (as the reference).
+// Clusters of nb blocks (8, or 16 past H = 4096: the host's choice, a function of H alone); block
+// `rank` of a cluster owns h in [rank Hs, (rank + 1) Hs) of every stream (Hs = H / nb <= 512; H a
+// multiple of 8 nb, at most 8192: the host checks). The block's slice of fn stays in shared memory for the whole launch. Clusters take
+// tiles of MHC_CL_TILE tokens in turn (the grid holds only clusters that run at once); the rows of
+// a cluster's next tile are copied into shared memory (cp.async, a second buffer) while it works
+// on the current one. Per tile every block
+//   1. forms each token's partial Σx² and 4 dots over its slice of the rows, one 16-byte chunk
+//      (stream i, h 8c .. 8c + 8) per thread and token (chunk q = tid + j·MHC_CL_THREADS), then
+//      sums them over the block: butterflies within each warp (the 32 dots of the tile's 8 tokens
+//      × 4 gates; the 8 Σx², then across the lane groups; every value of a butterfly takes the same
+//      tree over the lanes) and the warps in order;
+//   2. after a cluster barrier, sums the cluster's 8 block partials in rank order (distributed
+//      shared memory, every read in flight at once; the same bits in every block) and forms the
+//      gates (mhc_stream_gate);
+//   3. writes its slice of the tile's outputs, Σ_i g_i x_i in stream order (as the reference).
 // A token's arithmetic depends on neither T nor its place in a tile: batch-invariant. The partials
 // are double-buffered across tiles, so one cluster barrier per tile suffices; a last barrier keeps
 // every block's shared memory alive until the cluster's reads are done.
-#define MHC_CL_BLOCKS 8
-#define MHC_CL_TILE 4
+#define MHC_CL_TILE 8
 #define MHC_CL_THREADS 256
-#define MHC_CL_SLOTS 8  // per token: Σx², the 4 dots, 3 unused
-static_assert(MHC_CL_TILE * MHC_CL_SLOTS == 32, "the butterfly reduces one value per lane of 32");
+#define MHC_CL_DOTS (MHC_CL_TILE * MHC_N)        // a tile's dots: value k·4 + g
+#define MHC_CL_VALUES (MHC_CL_DOTS + MHC_CL_TILE)  // then its Σx², value 32 + k
+static_assert(MHC_CL_DOTS == 32, "one butterfly reduces the tile's dots, one value per lane");
 
-// One butterfly step over acc[0 .. 2 O): lanes with bit O keep the upper half, the others the
+// One butterfly step over v[0 .. 2 O): lanes with bit O keep the upper half, the others the
 // lower, each adding its partner's copy (the same pairs of lanes for every value).
-template <int O>
-__device__ __forceinline__ void mhc_cl_fold(float (&acc)[MHC_CL_TILE * MHC_CL_SLOTS], uint32_t lane) {
+template <int O, int N>
+__device__ __forceinline__ void mhc_cl_fold(float (&v)[N], uint32_t lane) {
     const bool upper = (lane & (uint32_t)O) != 0u;
 #pragma unroll
     for (int j = 0; j < O; ++j) {
-        const float send = upper ? acc[j] : acc[j + O];
-        const float keep = upper ? acc[j + O] : acc[j];
-        acc[j] = keep + hf_shfl_xor(send, O);
+        const float send = upper ? v[j] : v[j + O];
+        const float keep = upper ? v[j + O] : v[j];
+        v[j] = keep + hf_shfl_xor(send, O);
     }
 }
 
@@ -1256,89 +1259,125 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
                            const float* __restrict__ scale, const float* __restrict__ base,
                            hf_bf16* __restrict__ out, uint32_t T, uint32_t H, float rms_eps, float hc_eps) {
 #if defined(HF_HAS_CLUSTERS)
-    // Dynamic: fn slice [4 gates][2 halves][chunks][4] f32, then the tile [MHC_CL_TILE][4][Hs] bf16.
+    // Dynamic: fn slice [4 gates][2 halves][chunks][4] f32, then two tile buffers
+    // [MHC_CL_TILE][4][Hs] bf16.
     extern __shared__ __align__(16) unsigned char mhc_cl_smem[];
-    __shared__ float red[MHC_CL_THREADS / 32][32];
-    __shared__ float part[2][32];
+    __shared__ float red[MHC_CL_THREADS / 32][MHC_CL_VALUES];
+    __shared__ float part[2][MHC_CL_VALUES];
     __shared__ float gate[MHC_CL_TILE][MHC_N];
     const uint32_t tid = threadIdx.x, lane = tid % 32u, warp = tid / 32u;
     const uint32_t rank = hf_cluster_rank();
-    const uint32_t Hs = H / MHC_CL_BLOCKS, cols = Hs / 8u, chunks = MHC_N * cols;
+    const uint32_t nb = hf_cluster_blocks(), Hs = H / nb, cols = Hs / 8u, chunks = MHC_N * cols;
     const uint32_t h_lo = rank * Hs;
     const uint64_t D = (uint64_t)MHC_N * H;
     float* fns = reinterpret_cast<float*>(mhc_cl_smem);
-    hf_bf16* tile_rows = reinterpret_cast<hf_bf16*>(fns + MHC_N * chunks * 8u);
-    // fns[((2 g + half) chunks + q) 4 + e] = fn[g][chunk q's element 4 half + e]: a warp's
-    // 16-byte reads of one (g, half) are consecutive (no bank conflicts).
-    for (uint32_t w = tid; w < MHC_N * chunks; w += MHC_CL_THREADS) {
-        const uint32_t g = w / chunks, q = w % chunks, i = q / cols, c = q % cols;
-        float f[8];
-        mhc_load_f8<true>(hc_fn + g * D + (uint64_t)i * H + h_lo + 8u * c, 8u, f);
-        mhc_f32x4* dst = reinterpret_cast<mhc_f32x4*>(fns);
-        dst[(2u * g) * chunks + q] = mhc_f32x4{f[0], f[1], f[2], f[3]};
-        dst[(2u * g + 1u) * chunks + q] = mhc_f32x4{f[4], f[5], f[6], f[7]};
-    }
+    hf_bf16* tiles_rows = reinterpret_cast<hf_bf16*>(fns + MHC_N * chunks * 8u);
+    const uint32_t tile_elems = MHC_CL_TILE * MHC_N * Hs;
     const uint32_t tiles = (T + MHC_CL_TILE - 1u) / MHC_CL_TILE;
-    const uint32_t clusters = gridDim.x / MHC_CL_BLOCKS;
-    uint32_t buf = 0u;
-    for (uint32_t tile = blockIdx.x / MHC_CL_BLOCKS; tile < tiles; tile += clusters, buf ^= 1u) {
-        const uint32_t t0 = tile * MHC_CL_TILE;
-        __syncthreads();  // fns written; the last tile's readers of tile_rows, red and gate are done
-        float acc[MHC_CL_TILE * MHC_CL_SLOTS];
-#pragma unroll
-        for (int j = 0; j < MHC_CL_TILE * MHC_CL_SLOTS; ++j) acc[j] = 0.0f;
+    const uint32_t clusters = gridDim.x / nb;
+    // Copies tile `tile`'s rows into buffer `b` (rows past T zero-filled); every thread copies the
+    // chunks it reads in step 1, so its own wait suffices there.
+    auto fetch = [&](uint32_t tile, uint32_t b) {
+        hf_bf16* rows = tiles_rows + b * tile_elems;
         for (uint32_t q = tid; q < chunks; q += MHC_CL_THREADS) {
             const uint32_t i = q / cols, c = q % cols;
-            mhc_u32x4 u[MHC_CL_TILE];
 #pragma unroll
             for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
-                const uint32_t t = t0 + k;
-                u[k] = mhc_u32x4{0u, 0u, 0u, 0u};
-                if (t < T) u[k] = *reinterpret_cast<const mhc_u32x4*>(residual + t * D + (uint64_t)i * H + h_lo + 8u * c);
+                const uint32_t t = tile * MHC_CL_TILE + k;
+                const hf_bf16* src = residual + (uint64_t)(t < T ? t : 0u) * D + (uint64_t)i * H + h_lo + 8u * c;
+                hf_cp_async16(hf_smem_addr(rows + (k * MHC_N + i) * Hs + 8u * c), src, t < T ? 16u : 0u);
             }
-            float x[MHC_CL_TILE][8];
+        }
+        hf_cp_async_commit();
+    };
+    // fns[((2 g + half) chunks + q) 4 + e] = fn[g][chunk q's element 4 half + e]: a warp's
+    // 16-byte reads of one (g, half) are consecutive (no bank conflicts). Copied with every
+    // 16-byte piece in flight at once (one group, before the first tile's).
+    for (uint32_t w = tid; w < 2u * MHC_N * chunks; w += MHC_CL_THREADS) {
+        const uint32_t gh = w / chunks, q = w % chunks, g = gh / 2u, half = gh % 2u, i = q / cols, c = q % cols;
+        hf_cp_async16(hf_smem_addr(fns + 4u * w), hc_fn + g * D + (uint64_t)i * H + h_lo + 8u * c + 4u * half, 16u);
+    }
+    hf_cp_async_commit();
+    if (blockIdx.x / nb < tiles) fetch(blockIdx.x / nb, 0u);
+    // The gate threads' weights, read once: the cluster barrier's acquire empties the L1 cache.
+    const float gate_scale = tid < MHC_CL_DOTS ? scale[0] : 0.0f;
+    const float gate_base = tid < MHC_CL_DOTS ? base[tid % MHC_N] : 0.0f;
+    hf_cp_async_wait<1>();  // this thread's fns copies have landed (the first tile's may not have)
+    uint32_t buf = 0u;
+    for (uint32_t tile = blockIdx.x / nb; tile < tiles; tile += clusters, buf ^= 1u) {
+        const uint32_t t0 = tile * MHC_CL_TILE;
+        const hf_bf16* rows = tiles_rows + buf * tile_elems;
+        __syncthreads();  // fns landed; the last tile's readers of the other buffer, red and gate are done
+        if (tile + clusters < tiles)
+            fetch(tile + clusters, buf ^ 1u);
+        else
+            hf_cp_async_commit();  // an empty group: the wait below always leaves one group
+        hf_cp_async_wait<1>();     // this thread's copies of the current tile have landed
+        float dots[MHC_CL_DOTS], ss[MHC_CL_TILE];
 #pragma unroll
-            for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
-                *reinterpret_cast<mhc_u32x4*>(tile_rows + (k * MHC_N + i) * Hs + 8u * c) = u[k];
-                mhc_unpack(u[k], x[k]);
+        for (int j = 0; j < MHC_CL_DOTS; ++j) dots[j] = 0.0f;
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc[k * MHC_CL_SLOTS] = fmaf(x[k][e], x[k][e], acc[k * MHC_CL_SLOTS]);
-            }
+        for (int k = 0; k < MHC_CL_TILE; ++k) ss[k] = 0.0f;
+        for (uint32_t q = tid; q < chunks; q += MHC_CL_THREADS) {
+            const uint32_t i = q / cols, c = q % cols;
+            float wg[MHC_N][8];
+            const mhc_f32x4* wv = reinterpret_cast<const mhc_f32x4*>(fns);
 #pragma unroll
             for (uint32_t g = 0; g < MHC_N; ++g) {
-                const mhc_f32x4* wv = reinterpret_cast<const mhc_f32x4*>(fns);
                 const mhc_f32x4 lo = wv[(2u * g) * chunks + q], hi = wv[(2u * g + 1u) * chunks + q];
-                const float wg[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+                wg[g][0] = lo.x, wg[g][1] = lo.y, wg[g][2] = lo.z, wg[g][3] = lo.w;
+                wg[g][4] = hi.x, wg[g][5] = hi.y, wg[g][6] = hi.z, wg[g][7] = hi.w;
+            }
 #pragma unroll
-                for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
+            for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
+                float x[8];
+                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(rows + (k * MHC_N + i) * Hs + 8u * c), x);
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[k * MHC_CL_SLOTS + 1u + g] = fmaf(x[k][e], wg[e], acc[k * MHC_CL_SLOTS + 1u + g]);
+                for (int e = 0; e < 8; ++e) ss[k] = fmaf(x[e], x[e], ss[k]);
+#pragma unroll
+                for (uint32_t g = 0; g < MHC_N; ++g) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) dots[k * MHC_N + g] = fmaf(x[e], wg[g][e], dots[k * MHC_N + g]);
                 }
             }
         }
-        // Butterfly: lane l ends with the warp's sum of value l.
-        mhc_cl_fold<16>(acc, lane);
-        mhc_cl_fold<8>(acc, lane);
-        mhc_cl_fold<4>(acc, lane);
-        mhc_cl_fold<2>(acc, lane);
-        mhc_cl_fold<1>(acc, lane);
-        red[warp][lane] = acc[0];
-        __syncthreads();
-        if (tid < 32u) {
+        // Lane l ends with the warp's sum of dot l, and lanes l and l ^ 8, l ^ 16, l ^ 24 with
+        // that of Σx² l % 8.
+        mhc_cl_fold<16>(dots, lane);
+        mhc_cl_fold<8>(dots, lane);
+        mhc_cl_fold<4>(dots, lane);
+        mhc_cl_fold<2>(dots, lane);
+        mhc_cl_fold<1>(dots, lane);
+        mhc_cl_fold<4>(ss, lane);
+        mhc_cl_fold<2>(ss, lane);
+        mhc_cl_fold<1>(ss, lane);
+        ss[0] += hf_shfl_xor(ss[0], 8);
+        ss[0] += hf_shfl_xor(ss[0], 16);
+        red[warp][lane] = dots[0];
+        if (lane < MHC_CL_TILE) red[warp][MHC_CL_DOTS + lane] = ss[0];
+        __syncthreads();  // also: every thread's copies of the tile have landed
+        if (tid < MHC_CL_VALUES) {
             float s = red[0][tid];
 #pragma unroll
             for (uint32_t w = 1; w < MHC_CL_THREADS / 32u; ++w) s += red[w][tid];
             part[buf][tid] = s;
         }
         hf_cluster_sync();  // every block's partials of this tile are written
-        if (tid < MHC_CL_TILE * MHC_N) {
+        if (tid < MHC_CL_DOTS) {
             const uint32_t k = tid / MHC_N, i = tid % MHC_N;
-            float ss = 0.0f, dot = 0.0f;
-            for (uint32_t r = 0; r < MHC_CL_BLOCKS; ++r) {
-                ss += hf_cluster_load_f32(&part[buf][k * MHC_CL_SLOTS], r);
-                dot += hf_cluster_load_f32(&part[buf][k * MHC_CL_SLOTS + 1u + i], r);
+            // Eight ranks' reads in flight at a time, summed in rank order.
+            float sum_sq = 0.0f, dot = 0.0f;
+            for (uint32_t r0 = 0; r0 < nb; r0 += 8u) {
+                float sq[8], dt[8];
+#pragma unroll
+                for (uint32_t r = 0; r < 8u; ++r) {
+                    sq[r] = hf_cluster_load_f32(&part[buf][MHC_CL_DOTS + k], r0 + r);
+                    dt[r] = hf_cluster_load_f32(&part[buf][tid], r0 + r);
+                }
+#pragma unroll
+                for (uint32_t r = 0; r < 8u; ++r) sum_sq += sq[r], dot += dt[r];
             }
-            gate[k][i] = mhc_stream_gate(ss, dot, H, scale[0], base[i], rms_eps, hc_eps);
+            gate[k][i] = mhc_stream_gate(sum_sq, dot, H, gate_scale, gate_base, rms_eps, hc_eps);
         }
         __syncthreads();  // gates ready
         for (uint32_t w = tid; w < MHC_CL_TILE * cols; w += MHC_CL_THREADS) {
@@ -1350,13 +1389,17 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
 #pragma unroll
             for (uint32_t i = 0; i < MHC_N; ++i) {
                 float x[8];
-                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(tile_rows + (k * MHC_N + i) * Hs + 8u * c), x);
+                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(rows + (k * MHC_N + i) * Hs + 8u * c), x);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) o[e] = fmaf(gate[k][i], x[e], o[e]);
             }
-            *reinterpret_cast<mhc_u32x4*>(out + (uint64_t)t * H + h_lo + 8u * c) = mhc_repack(o);
+            // Paired conversions (the same bits as mhc_repack's): this kernel is bound by issue.
+            const mhc_u32x4 packed{hf_pack_bf16x2(o[0], o[1]), hf_pack_bf16x2(o[2], o[3]), hf_pack_bf16x2(o[4], o[5]),
+                                   hf_pack_bf16x2(o[6], o[7])};
+            *reinterpret_cast<mhc_u32x4*>(out + (uint64_t)t * H + h_lo + 8u * c) = packed;
         }
     }
+    hf_cp_async_wait_all();  // the last (empty) group: no copy outlives the block
     hf_cluster_sync();  // no block leaves while the cluster may still read its partials
 #endif
 }

@@ -82,15 +82,15 @@ fn hc_head_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 }
 
 /// `mhc_hc_head_cluster_n4`: `hc_head` without workspace; the device launch needs clusters of
-/// [`crate::plan::CLUSTER_BLOCKS`] blocks.
+/// [`crate::plan::cluster_blocks`]`(H)` blocks.
 fn hc_head_cluster_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (t, h) = (l.count(5)?, l.count(6)?);
     let params = HcHeadParams { rms_eps: l.f32(7)?, hc_eps: l.f32(8)? };
-    if t > 0 && l.cluster_blocks() as usize != crate::plan::CLUSTER_BLOCKS {
+    let nb = crate::plan::cluster_blocks(h);
+    if t > 0 && l.cluster_blocks() as usize != nb {
         return Err(l.fail(format!(
-            "launched with clusters of {} blocks; the kernel needs {}",
-            l.cluster_blocks(),
-            crate::plan::CLUSTER_BLOCKS
+            "launched with clusters of {} blocks; the kernel needs {nb} at H = {h}",
+            l.cluster_blocks()
         )));
     }
     hc_head_by_reference(l, t, h, &params)

@@ -22,13 +22,22 @@ pub struct MhcConfig {
 }
 
 /// The kernel path of the split-reduction ops (`hc_head`, `mhc_pre`, `mhc_fused_post_pre`): the
-/// tensor-core resident items or the portable projection + finish items.
+/// tensor-core resident items, the portable projection + finish items, or (`hc_head`) thread-block
+/// clusters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MhcProjection {
     /// What measured fastest on an H200: tensor cores for `mhc_pre` and the fused op (1.3–1.6×
-    /// the portable path at T ≥ 1024), the portable path for `hc_head` (faster at T = 1 and at
-    /// T = 16384; its projection has 4 outputs, not 24). The portable path everywhere on devices
-    /// without bf16 `mma.sync`.
+    /// the portable path at T ≥ 1024); `hc_head` on thread-block clusters where the device runs
+    /// them (NVIDIA sm_90+) and `H` fits (a multiple of 64 up to 4096, of 128 up to 8192), else the
+    /// portable path (on an H200, against the portable path, clusters are faster at every T at
+    /// H 4096, 1.43× at T 1024; at H 7168 at every T up to 4096, 0.91× at T 16384). On clusters, 8 blocks (16 past H 4096)
+    /// each own `H/8` (`H/16`) of every stream, read the residual once and exchange their partial
+    /// sums through distributed shared memory (f32 fused multiply-adds in their own fixed order,
+    /// batch-invariant); the grid holds only the clusters the device runs at once
+    /// ([`holdfast_hal::Device::max_active_clusters`], asked once in [`MhcOps::new`]), each taking
+    /// tiles of 8 tokens in turn. An `hc_head` whose residual, `fn` or output view is not 16-byte
+    /// aligned takes the portable path. The portable path everywhere on devices without bf16
+    /// `mma.sync` and without clusters.
     #[default]
     Auto,
     /// Tensor cores for all three ops where the device has them (bf16 `mma.sync`, f32
@@ -37,12 +46,6 @@ pub enum MhcProjection {
     TensorCores,
     /// f32 fused multiply-adds in the CPU reference's order on every device.
     Portable,
-    /// `hc_head` on thread-block clusters where the device has them (NVIDIA sm_90+) and `H` is a
-    /// multiple of 64 up to 8192: clusters of 8 blocks, each owning `H/8` of every stream, read
-    /// the residual once and exchange their partial sums through distributed shared memory (f32
-    /// fused multiply-adds in their own fixed order, batch-invariant). Residual, `fn` and output
-    /// views that are not 16-byte aligned, and every other op, run as [`MhcProjection::Auto`].
-    Clusters,
 }
 
 /// The weights of `hc_head` (§6.5), all f32.
@@ -100,9 +103,10 @@ pub struct MhcOps {
     shape: plan::ReduceShape,
     /// The device runs bf16 `mma.sync`.
     has_mma: bool,
-    /// The device runs thread-block clusters.
-    has_clusters: bool,
-    /// `hc_head` runs on clusters ([`MhcProjection::Clusters`] where it fits).
+    /// Clusters of `hc_head` on thread-block clusters the device runs at once (0: that path does not run here:
+    /// no clusters, or a hidden size that does not fit).
+    pub(crate) head_cluster_slots: usize,
+    /// `hc_head` runs on clusters ([`MhcProjection::Auto`] where it fits).
     head_clusters: bool,
     pub(crate) partials: Buffer<f32>,
     pub(crate) sync: Buffer<u32>,
@@ -131,8 +135,13 @@ impl MhcOps {
         let sync = device.alloc_zeroed::<u32>("mhc.sync", 1 + 2 * t, true)?;
         let units = (device.info().compute_units as usize).max(1);
         let has_mma = device.info().has_bf16_mma();
-        let has_clusters = device.info().has_clusters();
         let max_shared = device.info().max_shared_mem_per_block;
+        let head_cluster_slots = if device.info().has_clusters() && plan::cluster_head_fits(config.hidden, max_shared) {
+            let cluster = plan::cluster_blocks(config.hidden) as u32;
+            device.max_active_clusters(&kernels.hc_head_cluster, plan::cluster_block(config.hidden), cluster)? as usize
+        } else {
+            0
+        };
         let shape = plan::ReduceShape { mma: has_mma, head_mma: false, tile_tokens: None, max_shared };
         Ok(MhcOps {
             kernels: kernels.clone(),
@@ -140,8 +149,8 @@ impl MhcOps {
             units,
             shape,
             has_mma,
-            has_clusters,
-            head_clusters: false,
+            head_cluster_slots,
+            head_clusters: head_cluster_slots > 0,
             partials,
             sync,
         })
@@ -151,13 +160,11 @@ impl MhcOps {
     pub fn with_projection(mut self, projection: MhcProjection) -> Self {
         self.shape.mma = projection != MhcProjection::Portable && self.has_mma;
         self.shape.head_mma = projection == MhcProjection::TensorCores && self.has_mma;
-        self.head_clusters = projection == MhcProjection::Clusters
-            && self.has_clusters
-            && plan::cluster_head_fits(self.config.hidden, self.shape.max_shared);
+        self.head_clusters = projection == MhcProjection::Auto && self.head_cluster_slots > 0;
         self
     }
 
-    /// Whether `op` runs on thread-block clusters: `hc_head` under [`MhcProjection::Clusters`] on a
+    /// Whether `op` runs on thread-block clusters: `hc_head` under [`MhcProjection::Auto`] on a
     /// device with clusters, at a hidden size that fits (16-byte aligned views assumed).
     pub fn uses_clusters(&self, op: MhcOp) -> bool {
         op == MhcOp::HcHead && self.head_clusters
@@ -197,14 +204,14 @@ impl MhcOps {
     }
 
     /// The launch `op` makes for `tokens` tokens (`None` for 0: nothing is launched), with 16-byte
-    /// aligned views (see [`MhcProjection::Clusters`]). A function of `tokens` for a given
+    /// aligned views (see [`MhcProjection::Auto`]). A function of `tokens` for a given
     /// `MhcOps`, so every call at a padded size launches the same shape.
     pub fn launch_config(&self, op: MhcOp, tokens: usize) -> Option<LaunchConfig> {
         if tokens == 0 {
             return None;
         }
         if self.uses_clusters(op) {
-            return Some(plan::cluster_head(tokens, self.config.hidden, self.units));
+            return Some(plan::cluster_head(tokens, self.config.hidden, self.head_cluster_slots));
         }
         Some(match Reduce::of(op) {
             Some(kind) => self.reduce_plan(kind, tokens).config,

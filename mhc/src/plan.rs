@@ -287,41 +287,55 @@ pub(crate) fn post(tokens: usize, hidden: usize) -> (LaunchConfig, usize) {
     (cfg, per_block)
 }
 
-/// Blocks per thread-block cluster of `hc_head` on clusters (`MHC_CL_BLOCKS`).
-pub(crate) const CLUSTER_BLOCKS: usize = 8;
+/// Blocks per thread-block cluster of `hc_head` on clusters at hidden size `hidden`: 8, or 16
+/// (NVIDIA sm_90's non-portable size) past `H = 4096`, so that no block owns more than 512 `h`: its
+/// `fn` slice then loads quickly at decode sizes, and two blocks fit a multiprocessor.
+pub(crate) fn cluster_blocks(hidden: usize) -> usize {
+    if hidden <= 4096 {
+        8
+    } else {
+        16
+    }
+}
 /// Tokens per tile of `hc_head` on clusters (`MHC_CL_TILE`).
-const CLUSTER_TILE: usize = 4;
+const CLUSTER_TILE: usize = 8;
 /// Threads per block of `hc_head` on clusters (`MHC_CL_THREADS`).
 const CLUSTER_THREADS: u32 = 256;
-/// Static shared memory of `hc_head` on clusters, bytes (`red`, `part`, `gate`), with room to spare.
+/// Static shared memory of `hc_head` on clusters, bytes (`red`, `part`, `gate`, the copy barriers), with room to spare.
 const CLUSTER_STATIC_BYTES: u32 = 2048;
-/// Blocks per multiprocessor the cluster grid is sized for (`__launch_bounds__(MHC_CL_THREADS, 2)`).
-const CLUSTER_BLOCKS_PER_UNIT: usize = 2;
 
 /// Dynamic shared memory of a block of `hc_head` on clusters for hidden size `hidden`, bytes: its
-/// `fn` slice (`4 · 4 · H/8` f32) and a tile's rows (`4 · 4 · H/8` bf16), `12 · H` in all.
+/// `fn` slice (`4 · 4 · Hs` f32, `Hs = H / cluster_blocks(H)`) and two tiles' rows
+/// (`2 · 8 · 4 · Hs` bf16), `192 · Hs` in all.
 pub(crate) fn cluster_shared_bytes(hidden: usize) -> usize {
-    12 * hidden
+    192 * hidden / cluster_blocks(hidden)
 }
 
 /// Whether `hc_head` runs on clusters at `hidden` on a device with `max_shared` bytes of shared
-/// memory per block: each of a cluster's 8 blocks owns `H/8` of every stream in 16-byte chunks
-/// (`H` a multiple of 64), one or two chunks per thread and token (`H <= 8192`), and its `fn` slice
-/// and tile fit in shared memory.
+/// memory per block: each of a cluster's `nb` blocks owns `H/nb` of every stream in 16-byte chunks
+/// (`H` a multiple of `8·nb`), at most 512 `h` (`H <= 8192`), and its `fn` slice and tile buffers
+/// fit in shared memory.
 pub(crate) fn cluster_head_fits(hidden: usize, max_shared: u32) -> bool {
     hidden > 0
-        && hidden.is_multiple_of(8 * CLUSTER_BLOCKS)
+        && hidden.is_multiple_of(8 * cluster_blocks(hidden))
         && hidden <= 8192
         && cluster_shared_bytes(hidden) + CLUSTER_STATIC_BYTES as usize <= max_shared as usize
 }
 
-/// Launch of `hc_head` on clusters for `tokens > 0`: clusters of [`CLUSTER_BLOCKS`] blocks, one per
-/// tile of 4 tokens up to two blocks per multiprocessor (each cluster then takes tiles in turn).
-pub(crate) fn cluster_head(tokens: usize, hidden: usize, units: usize) -> LaunchConfig {
+/// The block shape of `hc_head` on clusters at `hidden` (the grid is one cluster): what
+/// [`holdfast_hal::Device::max_active_clusters`] is asked about.
+pub(crate) fn cluster_block(hidden: usize) -> LaunchConfig {
+    cluster_head(1, hidden, 1)
+}
+
+/// Launch of `hc_head` on clusters for `tokens > 0`: clusters of [`cluster_blocks`] blocks, one per
+/// tile of 8 tokens up to `slots`, the clusters the device runs at once (each cluster then takes
+/// tiles in turn, its next tile's rows in flight while it works on one).
+pub(crate) fn cluster_head(tokens: usize, hidden: usize, slots: usize) -> LaunchConfig {
     let tiles = tokens.div_ceil(CLUSTER_TILE).max(1);
-    let clusters = tiles.min((CLUSTER_BLOCKS_PER_UNIT * units / CLUSTER_BLOCKS).max(1));
+    let clusters = tiles.min(slots.max(1));
     LaunchConfig {
-        grid: (u32::try_from(clusters * CLUSTER_BLOCKS).unwrap_or(u32::MAX), 1, 1),
+        grid: (u32::try_from(clusters * cluster_blocks(hidden)).unwrap_or(u32::MAX), 1, 1),
         block: (CLUSTER_THREADS, 1, 1),
         shared_mem_bytes: u32::try_from(cluster_shared_bytes(hidden)).unwrap_or(u32::MAX),
     }
@@ -336,20 +350,25 @@ mod tests {
         let sm90 = holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK;
         for hidden in [64, 4096, 7168, 8192] {
             assert!(cluster_head_fits(hidden, sm90), "{hidden}");
-            for tokens in [1, 3, 4, 5, 64, 1000, 16_384] {
-                let cfg = cluster_head(tokens, hidden, 132);
-                let blocks = cfg.grid.0 as usize;
-                assert_eq!(blocks % CLUSTER_BLOCKS, 0, "H {hidden} T {tokens}");
-                assert!(blocks / CLUSTER_BLOCKS <= tokens.div_ceil(CLUSTER_TILE), "no cluster without a tile");
-                assert!(blocks <= 2 * 132, "two blocks per multiprocessor at most");
-                assert_eq!(cfg.shared_mem_bytes as usize, 12 * hidden);
+            let nb = cluster_blocks(hidden);
+            assert_eq!(nb, if hidden > 4096 { 16 } else { 8 });
+            assert!(hidden / nb <= 512, "{hidden}");
+            assert_eq!(cluster_block(hidden).grid.0 as usize, nb, "one cluster");
+            for tokens in [1, 3, 8, 9, 64, 1000, 16_384] {
+                for slots in [1, 16, 32] {
+                    let cfg = cluster_head(tokens, hidden, slots);
+                    let blocks = cfg.grid.0 as usize;
+                    assert_eq!(blocks % nb, 0, "H {hidden} T {tokens}");
+                    assert_eq!(blocks / nb, tokens.div_ceil(CLUSTER_TILE).min(slots), "H {hidden} T {tokens}");
+                    assert_eq!(cfg.shared_mem_bytes as usize, 192 * hidden / nb);
+                }
             }
         }
-        for hidden in [1, 63, 100, 4100, 8256, 16_384] {
+        for hidden in [1, 63, 100, 4100, 4160, 8256, 16_384] {
             assert!(!cluster_head_fits(hidden, sm90), "{hidden}");
         }
-        assert!(!cluster_head_fits(4096, 32 * 1024), "a block whose shared memory is too small");
-        assert_eq!(cluster_head(1, 4096, 1).grid.0 as usize, CLUSTER_BLOCKS, "at least one cluster");
+        assert!(!cluster_head_fits(4096, 96 * 1024), "a block whose shared memory is too small");
+        assert_eq!(cluster_head(1, 4096, 0).grid.0 as usize, 8, "at least one cluster");
     }
 
     #[test]

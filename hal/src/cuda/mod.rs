@@ -243,6 +243,18 @@ impl DeviceOps for CudaDevice {
                     )
                 }
                 .map_err(drv("cuFuncSetAttribute"))?;
+                if self.sm_major >= 9 {
+                    // Clusters past the portable 8 blocks (up to MAX_CLUSTER_BLOCKS) where they fit.
+                    // SAFETY: as above; sm_90 and newer accept the attribute.
+                    unsafe {
+                        result::function::set_function_attribute(
+                            f,
+                            A::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
+                            1,
+                        )
+                    }
+                    .map_err(drv("cuFuncSetAttribute"))?;
+                }
                 Ok(KernelImpl::Cuda(CudaKernel { _module: module.clone(), f: FnHandle(f) }))
             })
             .collect()
