@@ -40,8 +40,7 @@ impl MhcOps {
         if t == 0 {
             return Ok(());
         }
-        let aligned = [residual.raw(), weights.hc_fn.raw(), out.raw()].iter().all(|v| v.addr() % 16 == 0);
-        if self.uses_clusters(MhcOp::HcHead) && aligned {
+        if self.uses_clusters(MhcOp::HcHead) {
             stream.launch_cluster(
                 &self.kernels.hc_head_cluster,
                 plan::cluster_head(t, h, self.head_cluster_slots),

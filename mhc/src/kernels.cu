@@ -1275,6 +1275,9 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     const uint32_t tile_elems = MHC_CL_TILE * MHC_N * Hs;
     const uint32_t tiles = (T + MHC_CL_TILE - 1u) / MHC_CL_TILE;
     const uint32_t clusters = gridDim.x / nb;
+    // Views that are not 16-byte aligned are copied and written element by element (the same
+    // values in shared memory, so the same arithmetic and bits); the branches are uniform.
+    const bool vec = mhc_aligned16(residual) && mhc_aligned16(hc_fn) && mhc_aligned16(out);
     // Copies tile `tile`'s rows into buffer `b` (rows past T zero-filled); every thread copies the
     // chunks it reads in step 1, so its own wait suffices there.
     auto fetch = [&](uint32_t tile, uint32_t b) {
@@ -1285,7 +1288,13 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
                 const uint32_t t = tile * MHC_CL_TILE + k;
                 const hf_bf16* src = residual + (uint64_t)(t < T ? t : 0u) * D + (uint64_t)i * H + h_lo + 8u * c;
-                hf_cp_async16(hf_smem_addr(rows + (k * MHC_N + i) * Hs + 8u * c), src, t < T ? 16u : 0u);
+                hf_bf16* dst = rows + (k * MHC_N + i) * Hs + 8u * c;
+                if (vec) {
+                    hf_cp_async16(hf_smem_addr(dst), src, t < T ? 16u : 0u);
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) dst[e].bits = t < T ? src[e].bits : (uint16_t)0u;
+                }
             }
         }
         hf_cp_async_commit();
@@ -1295,7 +1304,13 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     // 16-byte piece in flight at once (one group, before the first tile's).
     for (uint32_t w = tid; w < 2u * MHC_N * chunks; w += MHC_CL_THREADS) {
         const uint32_t gh = w / chunks, q = w % chunks, g = gh / 2u, half = gh % 2u, i = q / cols, c = q % cols;
-        hf_cp_async16(hf_smem_addr(fns + 4u * w), hc_fn + g * D + (uint64_t)i * H + h_lo + 8u * c + 4u * half, 16u);
+        const float* src = hc_fn + g * D + (uint64_t)i * H + h_lo + 8u * c + 4u * half;
+        if (vec) {
+            hf_cp_async16(hf_smem_addr(fns + 4u * w), src, 16u);
+        } else {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) fns[4u * w + e] = src[e];
+        }
     }
     hf_cp_async_commit();
     if (blockIdx.x / nb < tiles) fetch(blockIdx.x / nb, 0u);
@@ -1393,10 +1408,16 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
 #pragma unroll
                 for (int e = 0; e < 8; ++e) o[e] = fmaf(gate[k][i], x[e], o[e]);
             }
-            // Paired conversions (the same bits as mhc_repack's): this kernel is bound by issue.
-            const mhc_u32x4 packed{hf_pack_bf16x2(o[0], o[1]), hf_pack_bf16x2(o[2], o[3]), hf_pack_bf16x2(o[4], o[5]),
-                                   hf_pack_bf16x2(o[6], o[7])};
-            *reinterpret_cast<mhc_u32x4*>(out + (uint64_t)t * H + h_lo + 8u * c) = packed;
+            hf_bf16* dst = out + (uint64_t)t * H + h_lo + 8u * c;
+            if (vec) {
+                // Paired conversions (the same bits as hf_f32_to_bf16's): this kernel is bound by issue.
+                const mhc_u32x4 packed{hf_pack_bf16x2(o[0], o[1]), hf_pack_bf16x2(o[2], o[3]),
+                                       hf_pack_bf16x2(o[4], o[5]), hf_pack_bf16x2(o[6], o[7])};
+                *reinterpret_cast<mhc_u32x4*>(dst) = packed;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) dst[e] = hf_f32_to_bf16(o[e]);
+            }
         }
     }
     hf_cp_async_wait_all();  // the last (empty) group: no copy outlives the block

@@ -35,8 +35,9 @@ pub enum MhcProjection {
     /// sums through distributed shared memory (f32 fused multiply-adds in their own fixed order,
     /// batch-invariant); the grid holds only the clusters the device runs at once
     /// ([`holdfast_hal::Device::max_active_clusters`], asked once in [`MhcOps::new`]), each taking
-    /// tiles of 8 tokens in turn. An `hc_head` whose residual, `fn` or output view is not 16-byte
-    /// aligned takes the portable path. The portable path everywhere on devices without bf16
+    /// tiles of 8 tokens in turn; residual, `fn` and output views that are not 16-byte aligned are
+    /// copied and written element by element (the same bits). The portable path everywhere on
+    /// devices without bf16
     /// `mma.sync` and without clusters.
     #[default]
     Auto,
@@ -165,7 +166,7 @@ impl MhcOps {
     }
 
     /// Whether `op` runs on thread-block clusters: `hc_head` under [`MhcProjection::Auto`] on a
-    /// device with clusters, at a hidden size that fits (16-byte aligned views assumed).
+    /// device with clusters, at a hidden size that fits.
     pub fn uses_clusters(&self, op: MhcOp) -> bool {
         op == MhcOp::HcHead && self.head_clusters
     }
@@ -203,9 +204,8 @@ impl MhcOps {
         self.partials.bytes() + self.sync.bytes()
     }
 
-    /// The launch `op` makes for `tokens` tokens (`None` for 0: nothing is launched), with 16-byte
-    /// aligned views (see [`MhcProjection::Auto`]). A function of `tokens` for a given
-    /// `MhcOps`, so every call at a padded size launches the same shape.
+    /// The launch `op` makes for `tokens` tokens (`None` for 0: nothing is launched). A function
+    /// of `tokens` for a given `MhcOps`, so every call at a padded size launches the same shape.
     pub fn launch_config(&self, op: MhcOp, tokens: usize) -> Option<LaunchConfig> {
         if tokens == 0 {
             return None;

@@ -775,7 +775,8 @@ fn in_place_post_and_fused_equal_out_of_place(dev: &Device) {
 /// must give the same bits as the vector path.
 fn unaligned_views_give_the_same_bits(dev: &Device) {
     let fx = Fx::new(dev);
-    let (hidden, t) = (1024, 5);
+    // Two tiles of `hc_head` on clusters, the second partial.
+    let (hidden, t) = (1024, 13);
     let ops = fx.ops(hidden, t);
     let mut rng = Rng::new(9);
     let d = N * hidden;
