@@ -201,7 +201,9 @@ const SM90_RESERVED_SHARED_PER_BLOCK: u64 = 1024;
 
 /// Clusters of `cluster` blocks shaped as `cfg` that `units` sm_90 multiprocessors hold at once
 /// (at most 2048 threads, 32 blocks and 228 KiB of shared memory per multiprocessor); 0 when one
-/// block does not fit, at least 1 otherwise.
+/// block does not fit, at least 1 otherwise. Registers and the processing clusters a cluster must
+/// fit in are not modelled, so a GPU may report fewer (an H200's 132 multiprocessors hold 30
+/// clusters of 8 blocks of 96 KiB where this model says 33).
 fn sm90_active_clusters(cfg: &LaunchConfig, cluster: u32, units: u32) -> u32 {
     let threads = cfg.threads_per_block().max(1);
     let smem = u64::from(cfg.shared_mem_bytes);
@@ -475,5 +477,25 @@ impl GraphOps for CpuGraph {
     }
     fn node_count(&self) -> usize {
         self.ops.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sm90_cluster_model_counts_blocks_per_unit_by_their_limits() {
+        let cfg = |threads: u32, smem: u32| LaunchConfig { shared_mem_bytes: smem, ..LaunchConfig::blocks(1, threads) };
+        // Shared memory: two 96 KiB blocks per unit; 132 units hold 33 clusters of 8.
+        assert_eq!(sm90_active_clusters(&cfg(256, 96 * 1024), 8, 132), 33);
+        // Threads: eight 256-thread blocks per unit.
+        assert_eq!(sm90_active_clusters(&cfg(256, 0), 8, 132), 132);
+        // Blocks: at most 32 per unit.
+        assert_eq!(sm90_active_clusters(&cfg(32, 0), 16, 4), 8);
+        // At least one cluster where a block fits; none where it does not.
+        assert_eq!(sm90_active_clusters(&cfg(1024, 200 * 1024), 16, 2), 1);
+        assert_eq!(sm90_active_clusters(&cfg(64, 228 * 1024), 1, 132), 0);
+        assert_eq!(sm90_active_clusters(&cfg(2048, 0), 1, 132), 0);
     }
 }
