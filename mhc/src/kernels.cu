@@ -1219,18 +1219,18 @@ HF_KERNEL void __launch_bounds__(MHC_POST_THREADS) mhc_post_n4(
 // ---- hc_head on thread-block clusters (NVIDIA sm_90+; Stream::launch_cluster) -------------------
 // Clusters of nb blocks (8, or 16 past H = 4096: the host's choice, a function of H alone); block
 // `rank` of a cluster owns h in [rank Hs, (rank + 1) Hs) of every stream (Hs = H / nb <= 512; H a
-// multiple of 8 nb, at most 8192: the host checks). The block's slice of fn stays in shared memory for the whole launch. Clusters take
-// tiles of MHC_CL_TILE tokens in turn (the grid holds only clusters that run at once); the rows of
-// a cluster's next tile are copied into shared memory (cp.async, a second buffer) while it works
-// on the current one. Per tile every block
+// multiple of 8 nb, at most 8192: the host checks). The block's slice of fn stays in shared
+// memory for the whole launch. Clusters take tiles of MHC_CL_TILE tokens in turn (the grid holds
+// only clusters that run at once); the rows of a cluster's next tile are copied into shared memory
+// (cp.async, a second buffer) while it works on the current one. Per tile every block
 //   1. forms each token's partial Σx² and 4 dots over its slice of the rows, one 16-byte chunk
 //      (stream i, h 8c .. 8c + 8) per thread and token (chunk q = tid + j·MHC_CL_THREADS), then
 //      sums them over the block: butterflies within each warp (the 32 dots of the tile's 8 tokens
 //      × 4 gates; the 8 Σx², then across the lane groups; every value of a butterfly takes the same
 //      tree over the lanes) and the warps in order;
-//   2. after a cluster barrier, sums the cluster's 8 block partials in rank order (distributed
-//      shared memory, every read in flight at once; the same bits in every block) and forms the
-//      gates (mhc_stream_gate);
+//   2. after a cluster barrier, sums the cluster's nb block partials in rank order (distributed
+//      shared memory, eight reads in flight at a time; the same bits in every block) and forms
+//      the gates (mhc_stream_gate);
 //   3. writes its slice of the tile's outputs, Σ_i g_i x_i in stream order (as the reference).
 // A token's arithmetic depends on neither T nor its place in a tile: batch-invariant. The partials
 // are double-buffered across tiles, so one cluster barrier per tile suffices; a last barrier keeps

@@ -28,17 +28,16 @@ pub struct MhcConfig {
 pub enum MhcProjection {
     /// What measured fastest on an H200: tensor cores for `mhc_pre` and the fused op (1.3–1.6×
     /// the portable path at T ≥ 1024); `hc_head` on thread-block clusters where the device runs
-    /// them (NVIDIA sm_90+) and `H` fits (a multiple of 64 up to 4096, of 128 up to 8192), else the
-    /// portable path (on an H200, against the portable path, clusters are faster at every T at
-    /// H 4096, 1.43× at T 1024; at H 7168 at every T up to 4096, 0.91× at T 16384). On clusters, 8 blocks (16 past H 4096)
-    /// each own `H/8` (`H/16`) of every stream, read the residual once and exchange their partial
-    /// sums through distributed shared memory (f32 fused multiply-adds in their own fixed order,
-    /// batch-invariant); the grid holds only the clusters the device runs at once
-    /// ([`holdfast_hal::Device::max_active_clusters`], asked once in [`MhcOps::new`]), each taking
-    /// tiles of 8 tokens in turn; residual, `fn` and output views that are not 16-byte aligned are
-    /// copied and written element by element (the same bits). The portable path everywhere on
-    /// devices without bf16
-    /// `mma.sync` and without clusters.
+    /// them (NVIDIA sm_90+) and `H` fits (a multiple of 64 up to 4096, of 128 up to 8192), else
+    /// the portable path (on an H200, against the portable path, clusters are faster at every T
+    /// at H 4096, 1.43× at T 1024; at H 7168 at every T up to 4096, 0.91× at T 16384). On
+    /// clusters, 8 blocks (16 past H 4096) each own `H/8` (`H/16`) of every stream, read the
+    /// residual once and exchange their partial sums through distributed shared memory (f32 fused
+    /// multiply-adds in their own fixed order, batch-invariant); the grid holds only the clusters
+    /// the device runs at once ([`holdfast_hal::Device::max_active_clusters`], asked once in
+    /// [`MhcOps::new`]), each taking tiles of 8 tokens in turn; residual, `fn` and output views
+    /// that are not 16-byte aligned are copied and written element by element (the same bits).
+    /// The portable path everywhere on devices without bf16 `mma.sync` and without clusters.
     #[default]
     Auto,
     /// Tensor cores for all three ops where the device has them (bf16 `mma.sync`, f32
@@ -99,13 +98,13 @@ pub struct MhcOps {
     pub(crate) kernels: MhcKernels,
     pub(crate) config: MhcConfig,
     /// Multiprocessors (compute units) of the device, for the launch shapes.
-    pub(crate) units: usize,
+    units: usize,
     /// The projection items' kernel path and tile (see [`MhcProjection`], [`MhcOps::with_tile_tokens`]).
     shape: plan::ReduceShape,
     /// The device runs bf16 `mma.sync`.
     has_mma: bool,
-    /// Clusters of `hc_head` on thread-block clusters the device runs at once (0: that path does not run here:
-    /// no clusters, or a hidden size that does not fit).
+    /// Clusters of `hc_head` on thread-block clusters the device runs at once (0: that path does
+    /// not run here: no clusters, or a hidden size that does not fit).
     pub(crate) head_cluster_slots: usize,
     /// `hc_head` runs on clusters ([`MhcProjection::Auto`] where it fits).
     head_clusters: bool,

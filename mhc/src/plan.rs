@@ -297,11 +297,13 @@ pub(crate) fn cluster_blocks(hidden: usize) -> usize {
         16
     }
 }
+
 /// Tokens per tile of `hc_head` on clusters (`MHC_CL_TILE`).
 const CLUSTER_TILE: usize = 8;
 /// Threads per block of `hc_head` on clusters (`MHC_CL_THREADS`).
 const CLUSTER_THREADS: u32 = 256;
-/// Static shared memory of `hc_head` on clusters, bytes (`red`, `part`, `gate`, the copy barriers), with room to spare.
+/// Static shared memory of `hc_head` on clusters, bytes (`red`, `part`, `gate`: 1.7 KiB), with
+/// room to spare.
 const CLUSTER_STATIC_BYTES: u32 = 2048;
 
 /// Dynamic shared memory of a block of `hc_head` on clusters for hidden size `hidden`, bytes: its

@@ -271,10 +271,7 @@ impl DeviceOps for CudaDevice {
             _ => return Err(wrong_backend("kernel")),
         };
         self.bind()?;
-        // SAFETY: a plain C struct (an id, padding and a union of plain values): all-zero is valid.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 };
+        let mut attr = cluster_attribute(cluster);
         let config = sys::CUlaunchConfig {
             gridDimX: cluster,
             gridDimY: 1,
@@ -295,6 +292,15 @@ impl DeviceOps for CudaDevice {
             .map_err(drv("cuOccupancyMaxActiveClusters"))?;
         Ok(u32::try_from(n).unwrap_or(0))
     }
+}
+
+/// The launch attribute grouping a grid's blocks into clusters of `cluster` consecutive blocks in x.
+fn cluster_attribute(cluster: u32) -> sys::CUlaunchAttribute {
+    // SAFETY: a plain C struct (an id, padding and a union of plain values): all-zero is valid.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+    attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: cluster, y: 1, z: 1 };
+    attr
 }
 
 fn load_module(image: &[u8]) -> std::result::Result<sys::CUmodule, DriverError> {
@@ -482,9 +488,7 @@ impl StreamOps for CudaStream {
             n_attrs += 1;
         }
         if mode.cluster > 1 {
-            attrs[n_attrs].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attrs[n_attrs].value.clusterDim =
-                sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: mode.cluster, y: 1, z: 1 };
+            attrs[n_attrs] = cluster_attribute(mode.cluster);
             n_attrs += 1;
         }
         if n_attrs > 0 {
