@@ -690,9 +690,10 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
 }
 #endif
 
-// Split sums of tokens [t0, t0 + count) into s_sum[u][v], in split order. The partials were written
-// by other blocks during this launch: volatile loads (never a stale L1 line), MHC_SUM_BATCH of them
-// issued before the first add, so a split count up to that (H <= 4096) costs one round trip.
+// Split sums of tokens [t0, t0 + count) into s_sum[u][v], in split order (no barrier: the caller
+// syncs before reading s_sum). The partials were written by other blocks during this launch:
+// volatile loads (never a stale L1 line), MHC_SUM_BATCH of them issued before the first add, so a
+// split count up to that (H <= 4096) costs one round trip.
 #define MHC_SUM_BATCH 16
 template <int V>
 __device__ __noinline__ void mhc_split_sums(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
@@ -711,7 +712,13 @@ __device__ __noinline__ void mhc_split_sums(const float* partials, uint32_t S, u
         }
         s_sum[u][v] = a;
     }
-    __syncthreads();
+}
+
+// The block's buffer of split sums, [MHC_FINISH_MAX][32] (one static allocation, whichever
+// path of a kernel asks for it).
+__device__ __forceinline__ float (*mhc_sum_buffer())[32] {
+    __shared__ float s_sum[MHC_FINISH_MAX][32];
+    return s_sum;
 }
 
 __device__ __forceinline__ float mhc_rms_factor(float ss, uint32_t D, float eps) {
@@ -805,8 +812,9 @@ __device__ __forceinline__ void mhc_head_gates(const float* __restrict__ scale, 
                                                const float* partials, uint32_t H, uint32_t S, uint32_t t0,
                                                uint32_t count, float rms_eps, float hc_eps,
                                                float (*s_gate)[MHC_N]) {
-    __shared__ float s_sum[MHC_FINISH_MAX][32];
+    float (*s_sum)[32] = mhc_sum_buffer();
     mhc_split_sums<MHC_N + 1>(partials, S, t0, count, s_sum);
+    __syncthreads();
     if (threadIdx.x < count * MHC_N) {
         const uint32_t u = threadIdx.x / MHC_N, i = threadIdx.x % MHC_N;
         s_gate[u][i] = mhc_stream_gate(s_sum[u][0], s_sum[u][1 + i], H, scale[0], base[i], rms_eps, hc_eps);
@@ -818,12 +826,15 @@ __device__ __forceinline__ void mhc_head_gates(const float* __restrict__ scale, 
 // block covers: value 0 (sum of squares) and 1 + i of each token's partials (V values per split),
 // each summed in split order with MHC_SUM_BATCH loads before the first add, as mhc_split_sums
 // does, and the gate as mhc_stream_gate gives it: the bits of mhc_head_gates / mhc_pre_gates.
-template <int V>
+// FROM_TOP: the work goes to the block's threads from the last one down, so that loads the low
+// threads issue just before (mhc_split_sums) are in flight together with these.
+template <int V, bool FROM_TOP = false>
 __device__ __forceinline__ void mhc_tile_gates(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
                                                uint32_t H, const float* __restrict__ scale,
                                                const float* __restrict__ base, float rms_eps, float eps,
                                                float (*s_gate)[MHC_N]) {
-    for (uint32_t idx = threadIdx.x; idx < count * MHC_N; idx += MHC_THREADS) {
+    const uint32_t tid = FROM_TOP ? MHC_THREADS - 1 - threadIdx.x : threadIdx.x;
+    for (uint32_t idx = tid; idx < count * MHC_N; idx += MHC_THREADS) {
         const uint32_t u = idx / MHC_N, i = idx % MHC_N;
         const volatile float* p = partials + (uint64_t)(t0 + u) * S * V;
         float ss = 0.0f, d = 0.0f;
@@ -915,33 +926,42 @@ __device__ void mhc_head_body(const hf_bf16* residual, const float* fn, const fl
 // ---- mhc_pre and mhc_fused_post_pre --------------------------------------------------------------
 
 
+// post and comb of tokens [t0, t0 + count) (count <= MHC_FINISH_MAX) into the outputs from their
+// split sums s_sum (all J + 1 values), and their pre gates into s_pre (when given). 16 lanes per
+// token: lane l holds comb element (l / 4, l % 4); lanes 0..3 also pre and post. Only the warps
+// that hold tokens take part (no barrier).
+__device__ __forceinline__ void mhc_post_comb(const MhcPreArgs& a, uint32_t t0, uint32_t count,
+                                              const float (*s_sum)[32], float (*s_pre)[MHC_N]) {
+    constexpr uint32_t L = MHC_N * MHC_N;
+    if (threadIdx.x / 32 >= (count * L + 31) / 32) return;  // warp-uniform
+    const uint32_t u = threadIdx.x / L, l = threadIdx.x % L;
+    const bool valid = u < count;
+    const float ss = valid ? s_sum[u][0] : 1.0f;
+    const float r = mhc_rms_factor(ss, MHC_N * a.H, a.rms_eps);
+    const float m = valid ? s_sum[u][1 + 2 * MHC_N + l] : 0.0f;
+    float c = fmaf(m * r, a.scale[2], a.base[2 * MHC_N + l]);
+    c = mhc_sinkhorn(c, a.iters, a.sinkhorn_eps);
+    if (valid) {
+        const uint64_t t = t0 + u;
+        a.comb_out[t * L + l] = c;
+        if (l < MHC_N) {
+            const float pre = mhc_stream_gate(ss, s_sum[u][1 + l], a.H, a.scale[0], a.base[l], a.rms_eps, a.pre_eps);
+            const float post = mhc_sigmoid(fmaf(s_sum[u][1 + MHC_N + l] * r, a.scale[1], a.base[MHC_N + l])) * a.post_mult;
+            if (s_pre != nullptr) s_pre[u][l] = pre;
+            a.post_out[t * MHC_N + l] = post;
+        }
+    }
+}
+
 // post and comb of tokens [t0, t0 + count) into the outputs and their pre gates into s_pre (then a
 // barrier).
 __device__ __forceinline__ void mhc_pre_gates(const MhcPreArgs& a, uint32_t S, uint32_t t0, uint32_t count,
                                               float (*s_pre)[MHC_N]) {
     constexpr int J = MHC_N * (MHC_N + 2);
-    __shared__ float s_sum[MHC_FINISH_MAX][32];
+    float (*s_sum)[32] = mhc_sum_buffer();
     mhc_split_sums<J + 1>(a.partials, S, t0, count, s_sum);
-    {
-        // 16 lanes per token: lane l holds comb element (l / 4, l % 4); lanes 0..3 also pre and post.
-        const uint32_t u = threadIdx.x / (MHC_N * MHC_N), l = threadIdx.x % (MHC_N * MHC_N);
-        const bool valid = u < count;
-        const float ss = valid ? s_sum[u][0] : 1.0f;
-        const float r = mhc_rms_factor(ss, MHC_N * a.H, a.rms_eps);
-        const float m = valid ? s_sum[u][1 + 2 * MHC_N + l] : 0.0f;
-        float c = fmaf(m * r, a.scale[2], a.base[2 * MHC_N + l]);
-        c = mhc_sinkhorn(c, a.iters, a.sinkhorn_eps);
-        if (valid) {
-            const uint64_t t = t0 + u;
-            a.comb_out[t * MHC_N * MHC_N + l] = c;
-            if (l < MHC_N) {
-                const float pre = mhc_stream_gate(ss, s_sum[u][1 + l], a.H, a.scale[0], a.base[l], a.rms_eps, a.pre_eps);
-                const float post = mhc_sigmoid(fmaf(s_sum[u][1 + MHC_N + l] * r, a.scale[1], a.base[MHC_N + l])) * a.post_mult;
-                s_pre[u][l] = pre;
-                a.post_out[t * MHC_N + l] = post;
-            }
-        }
-    }
+    __syncthreads();
+    mhc_post_comb(a, t0, count, s_sum, s_pre);
     __syncthreads();
 }
 
@@ -972,7 +992,8 @@ __device__ void mhc_pre_finish(const MhcPreArgs& a, uint32_t S, uint32_t t0, uin
 // itself (the same sums and the same gate arithmetic as the finish items, so the same bits in every
 // item) and writes its own 256 h of the outputs from the resident pieces. Only then does item s
 // compute post and comb (mhc_pre; Sinkhorn) for its share of the tile's tokens (ceil(tile / S) <= 16
-// of them), so no item waits for another's Sinkhorn. The items of a tile hold consecutive tickets
+// of them), so no item waits for another's Sinkhorn; the share's partials load in the same round
+// trip as the gates' (other threads of the block). The items of a tile hold consecutive tickets
 // and tickets are claimed by resident blocks, so a tile's items can all be resident as long as the
 // device holds S blocks at once (the host takes this path only where it holds at least 2 S). The
 // counter counts S arrivals then S departures; the last item to leave resets it.
@@ -1008,8 +1029,15 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
     mhc_arrive(a.sync, q);
     mhc_wait(a.sync, q, S);
 
+    // The split sums of this item's share of the tile's tokens for post and comb (mhc_pre; at most
+    // 16 tokens) load from the low threads while the tile's stream gates load from the high ones,
+    // so both sets of loads are in flight at once; one barrier covers the two.
+    float (*s_sum)[32] = mhc_sum_buffer();
+    const uint32_t per = (count + S - 1) / S, g0 = t_begin + split * per;
+    const uint32_t gc = HEAD || g0 >= t_end ? 0u : min(per, t_end - g0);
+    if (gc > 0) mhc_split_sums<V>(a.partials, S, g0, gc, s_sum);
     __shared__ float s_tile[MhcResTile<J, FUSED>::max][MHC_N];
-    mhc_tile_gates<V>(a.partials, S, t_begin, count, H, a.scale, a.base, a.rms_eps, a.pre_eps, s_tile);
+    mhc_tile_gates<V, true>(a.partials, S, t_begin, count, H, a.scale, a.base, a.rms_eps, a.pre_eps, s_tile);
     extern __shared__ __align__(16) unsigned char mhc_dyn[];
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, qd = lane % 4;
     const uint32_t h0 = split * MHC_SPLIT_H + warp * 32 + qd * 8;
@@ -1041,15 +1069,7 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
         }
     }
     // Post and comb (Sinkhorn) of this item's share of the tile's tokens.
-    if (!HEAD) {
-        const uint32_t per = (count + S - 1) / S;
-        const uint32_t g0 = t_begin + split * per;
-        const uint32_t gc = g0 < t_end ? min(per, t_end - g0) : 0u;
-        if (gc > 0) {
-            __shared__ float s_g[MHC_FINISH_MAX][MHC_N];
-            mhc_pre_gates(a, S, g0, gc, s_g);
-        }
-    }
+    if (gc > 0) mhc_post_comb(a, g0, gc, s_sum, nullptr);
     mhc_leave(a.sync, q, S);
 }
 #endif
