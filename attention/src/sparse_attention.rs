@@ -11,14 +11,16 @@
 //! Two device kernels compute this ([`AttentionKernel`]):
 //! - **tensor cores** (CUDA, sm_80 and newer, `head_dim` 64, 128, 256 or 512): one block per
 //!   (row, group of 16 or 32 heads), `8 × heads-per-block` threads. The row's entries stream
-//!   through shared memory in tiles of 32 (double-buffered `cp.async`, about 85 KiB of shared
-//!   memory at `head_dim` 512); `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q`
-//!   held in registers. Per tile the scores are the sum of four `head_dim / 4` slices in slice
+//!   through shared memory in tiles of 32 (`cp.async`, two tiles staged, about 85 KiB of shared
+//!   memory at `head_dim` 512, or three where the grid is one block per multiprocessor at most);
+//!   `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q` held in registers. Per tile the scores are the sum of four `head_dim / 4` slices in slice
 //!   order, the online softmax runs in f32 and `p` is rounded to bf16 both for `p·v` and for the
 //!   running sum `l`. Relative to the f32 definition this costs the bf16 rounding of `p` (the
-//!   tests bound the relative L2 error by 1e-2). Which of the two head groupings runs follows the
-//!   padded row count (16 heads per block while the grid would not fill the device); every output
-//!   element's arithmetic depends on its own row and head only, so the choice changes no bit.
+//!   tests bound the relative L2 error by 1e-2). Which entry runs follows the padded row count
+//!   ([`SparseAttention`]'s launch: 32 heads and three stages while that grid fits the
+//!   multiprocessors once, then 32 heads and two stages; 16 heads for up to 16 heads while their
+//!   grid would not fill the device); every output element's arithmetic depends on its own row
+//!   and head only, and the pipeline depth changes no arithmetic, so the choice changes no bit.
 //! - **portable** (any device, `head_dim` a multiple of the warp width up to 16 × warp): one block
 //!   per (row, group of 8 heads), `4 × warp` threads, one entry at a time through `D × 4` bytes of
 //!   shared memory, CUDA-core f32 arithmetic in exactly the CPU reference's order.
@@ -386,6 +388,11 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d256_bf16, 1, 256, 4, 2)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d256_bf16, 2, 256, 2, 2)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d512_bf16, 1, 512, 4, 2)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d512_bf16, 2, 512, 2, 2)
+// Three stages, one block per multiprocessor (where the grid fits the device once).
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d64_bf16, 2, 64, 1, 3)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d128_bf16, 2, 128, 1, 3)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d256_bf16, 2, 256, 1, 3)
+HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 "#;
 
 /// Heads handled by one block (4 warps × 2 heads).
@@ -503,40 +510,61 @@ fn attend_entry(name: &'static str) -> KernelEntry {
 pub const TENSOR_CORE_HEAD_DIMS: [usize; 4] = [64, 128, 256, 512];
 const MMA_DIMS: [usize; 4] = TENSOR_CORE_HEAD_DIMS;
 
-/// The tensor-core entry for `16 · mg` heads per block at `head_dim` `d` (one of [`MMA_DIMS`]).
-fn mma_entry(mg: usize, d: usize) -> &'static str {
-    match (mg, d) {
-        (1, 64) => "hf_sparse_attn_mma16_d64_bf16",
-        (2, 64) => "hf_sparse_attn_mma32_d64_bf16",
-        (1, 128) => "hf_sparse_attn_mma16_d128_bf16",
-        (2, 128) => "hf_sparse_attn_mma32_d128_bf16",
-        (1, 256) => "hf_sparse_attn_mma16_d256_bf16",
-        (2, 256) => "hf_sparse_attn_mma32_d256_bf16",
-        (1, _) => "hf_sparse_attn_mma16_d512_bf16",
-        _ => "hf_sparse_attn_mma32_d512_bf16",
+/// One tensor-core entry: `16 · mg` heads per block, `stages` K tiles staged (the kernel's `MG` and
+/// `ST`; the pipeline depth changes no arithmetic).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MmaShape {
+    mg: usize,
+    stages: usize,
+}
+
+/// 16 heads per block, two stages (up to four blocks per multiprocessor).
+const MMA16: MmaShape = MmaShape { mg: 1, stages: 2 };
+/// 32 heads per block, two stages (two blocks per multiprocessor at `head_dim` 512).
+const MMA32: MmaShape = MmaShape { mg: 2, stages: 2 };
+/// 32 heads per block, three stages (one block per multiprocessor at `head_dim` 512): where the
+/// grid fits the device once. On the H200 at 64 heads, `head_dim` 512 (one run): batch 64 took
+/// 60.7 µs over 640 entries per row and 672 µs over 8320, against 72.9 and 859 µs with 16 heads
+/// and two stages (the choice before) and 68.6 and 769 with 32 heads and two stages; batch 1 took
+/// 53.6 and 610 µs against 56.4 and 641, batch 8 about the same (56.2 / 714 against 56.8 / 709).
+/// At batch 256 (four blocks per multiprocessor's worth) it is slower than two stages (231
+/// against 174 µs), so that batch keeps [`MMA32`]. (Blocks of 64 heads, which read each row's
+/// entries once instead of twice, were slower at batch 1 to 64 and level at 256.)
+const MMA32_DEEP: MmaShape = MmaShape { mg: 2, stages: 3 };
+/// Every tensor-core shape the kernel source instantiates.
+const MMA_SHAPES: [MmaShape; 3] = [MMA16, MMA32, MMA32_DEEP];
+
+/// The tensor-core entry of `shape` at `head_dim` `d` (one of [`MMA_DIMS`]).
+fn mma_entry(shape: MmaShape, d: usize) -> &'static str {
+    match (shape.mg, shape.stages, d) {
+        (1, _, 64) => "hf_sparse_attn_mma16_d64_bf16",
+        (1, _, 128) => "hf_sparse_attn_mma16_d128_bf16",
+        (1, _, 256) => "hf_sparse_attn_mma16_d256_bf16",
+        (1, _, _) => "hf_sparse_attn_mma16_d512_bf16",
+        (_, 2, 64) => "hf_sparse_attn_mma32_d64_bf16",
+        (_, 2, 128) => "hf_sparse_attn_mma32_d128_bf16",
+        (_, 2, 256) => "hf_sparse_attn_mma32_d256_bf16",
+        (_, 2, _) => "hf_sparse_attn_mma32_d512_bf16",
+        (_, _, 64) => "hf_sparse_attn_mma32s3_d64_bf16",
+        (_, _, 128) => "hf_sparse_attn_mma32s3_d128_bf16",
+        (_, _, 256) => "hf_sparse_attn_mma32s3_d256_bf16",
+        _ => "hf_sparse_attn_mma32s3_d512_bf16",
     }
 }
 /// Entries per shared-memory tile of the tensor-core kernel (`HF_MMA_NT`).
 const MMA_TILE: usize = 32;
 
-/// K tiles staged per tensor-core block of `16 · mg` heads (the kernel's `ST`; the pipeline depth
-/// changes no arithmetic). Two for both groupings: on the H200 four stages for the 16-head blocks
-/// left batch 1 unchanged (55.8 vs 56.7 µs at 64 heads, 640 entries) and slowed batch 64 by 1.6×
-/// (120 vs 75 µs: 143 KiB of shared memory allows one block per SM instead of two).
-const fn mma_stages(_mg: usize) -> usize {
-    2
-}
-
-/// Dynamic shared memory of one tensor-core block of `16 · mg` heads at `head_dim` `d`, bytes
-/// (the kernel's layout: the K tiles of [`mma_stages`], four score slices, P, validity flags,
-/// three per-head stats).
-fn mma_shared_bytes(mg: usize, d: usize) -> usize {
-    let (hb, st) = (16 * mg, mma_stages(mg));
+/// Dynamic shared memory of one tensor-core block of `shape` at `head_dim` `d`, bytes (the
+/// kernel's layout: the staged K tiles, four score slices, P, validity flags, three per-head
+/// stats). Four stages for 16-head blocks were measured slower on the H200 (batch 64 at 64 heads,
+/// 640 entries: 120 against 75 µs, one block per multiprocessor instead of two).
+fn mma_shared_bytes(shape: MmaShape, d: usize) -> usize {
+    let (hb, st) = (16 * shape.mg, shape.stages);
     st * MMA_TILE * (d + 8) * 2 + 4 * hb * (MMA_TILE + 1) * 4 + hb * (MMA_TILE + 8) * 2 + st * MMA_TILE * 4 + 3 * hb * 4
 }
 
 /// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, and the tensor-core
-/// `hf_sparse_attn_mma{16,32}_d{64,128,256,512}_bf16`).
+/// `hf_sparse_attn_mma{16,32,32s3}_d{64,128,256,512}_bf16`).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -560,7 +588,7 @@ pub fn source() -> &'static KernelSource {
                 attend_entry("hf_sparse_attn_bf16"),
             ]
             .into_iter()
-            .chain(MMA_DIMS.iter().flat_map(|&d| [attend_entry(mma_entry(1, d)), attend_entry(mma_entry(2, d))]))
+            .chain(MMA_DIMS.iter().flat_map(|&d| MMA_SHAPES.map(|shape| attend_entry(mma_entry(shape, d)))))
             .collect(),
         }
     })
@@ -605,17 +633,17 @@ pub struct SparseAttention {
     compute_units: usize,
     insert: Kernel,
     attend: Kernel,
-    /// Tensor-core entries for 16 and 32 heads per block, when selected.
-    mma: Option<(Kernel, Kernel)>,
+    /// Tensor-core entries of [`MMA16`], [`MMA32`] and [`MMA32_DEEP`], when selected.
+    mma: Option<[Kernel; 3]>,
 }
 
 /// True when `dev` runs the tensor-core kernel at `head_dim`: CUDA sm_80 or newer, `head_dim` one
-/// of [`TENSOR_CORE_HEAD_DIMS`], and room for the 32-head block's shared memory.
+/// of [`TENSOR_CORE_HEAD_DIMS`], and room for every entry's shared memory.
 fn tensor_cores_fit(dev: &Device, head_dim: usize) -> bool {
     let info = dev.info();
     holdfast_kernels::has_bf16_tensor_cores(info)
         && MMA_DIMS.contains(&head_dim)
-        && mma_shared_bytes(1, head_dim).max(mma_shared_bytes(2, head_dim)) <= info.max_shared_mem_per_block as usize
+        && MMA_SHAPES.iter().all(|&shape| mma_shared_bytes(shape, head_dim) <= info.max_shared_mem_per_block as usize)
 }
 
 impl SparseAttention {
@@ -645,7 +673,11 @@ impl SparseAttention {
         }
         let m = dev.compile(source())?;
         let mma = if kernel == AttentionKernel::Auto && tensor_cores_fit(dev, head_dim) {
-            Some((m.kernel(mma_entry(1, head_dim))?, m.kernel(mma_entry(2, head_dim))?))
+            Some([
+                m.kernel(mma_entry(MMA16, head_dim))?,
+                m.kernel(mma_entry(MMA32, head_dim))?,
+                m.kernel(mma_entry(MMA32_DEEP, head_dim))?,
+            ])
         } else {
             None
         };
@@ -671,16 +703,25 @@ impl SparseAttention {
         let (h, d) = (self.heads, self.head_dim);
         let rows = rows.max(1);
         match &self.mma {
-            Some((k16, k32)) => {
-                // 32 heads per block once the grid fills the device; 16 (more blocks) before.
-                let mg = if rows * h.div_ceil(32) >= self.compute_units { 2 } else { 1 };
-                let blocks = rows * h.div_ceil(16 * mg);
+            Some([k16, k32, k32_deep]) => {
+                // More than 16 heads: 32 per block, three stages while that grid fits the
+                // multiprocessors once (one block each), two stages past it (two blocks each).
+                // Up to 16 heads: 16 per block while 32-head blocks would not fill the device.
+                let blocks32 = rows * h.div_ceil(32);
+                let (shape, kernel) = if h > 16 && blocks32 <= self.compute_units {
+                    (MMA32_DEEP, k32_deep)
+                } else if h > 16 || blocks32 >= self.compute_units {
+                    (MMA32, k32)
+                } else {
+                    (MMA16, k16)
+                };
+                let blocks = rows * h.div_ceil(16 * shape.mg);
                 let cfg = LaunchConfig {
                     grid: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
-                    block: (128 * mg as u32, 1, 1),
-                    shared_mem_bytes: mma_shared_bytes(mg, d) as u32,
+                    block: (128 * shape.mg as u32, 1, 1),
+                    shared_mem_bytes: mma_shared_bytes(shape, d) as u32,
                 };
-                (if mg == 2 { k32 } else { k16 }, cfg)
+                (kernel, cfg)
             }
             None => {
                 let cfg = LaunchConfig {

@@ -267,7 +267,8 @@ fn kv_insert_matches_its_definition(dev: &Device) {
 
 fn a_row_is_the_same_alone_and_in_a_padded_batch_of_256(dev: &Device) {
     // 16 heads × 128 (short lists) and the model's 64 × 512 (several tiles per row): on a GPU the
-    // lone row runs 16 heads per block and the batch 32, so this also pins the head grouping.
+    // lone row runs 16 heads per block (16 heads) or 32 heads with three staged tiles (64 heads),
+    // and the batch 32 heads with two, so this also pins the head grouping and the pipeline depth.
     row_alone_vs_batch(dev, 16, 128, 128, 32);
     row_alone_vs_batch(dev, 64, 512, 160, 96);
 }
@@ -415,7 +416,7 @@ fn the_tensor_core_entries_use_mma_and_do_not_spill() {
     assert!(!cubin.is_empty());
     let ptx = String::from_utf8_lossy(&ptx);
     let entries: Vec<&str> = ptx.split(".entry ").skip(1).filter(|e| e.starts_with("hf_sparse_attn_mma")).collect();
-    assert_eq!(entries.len(), 2 * TENSOR_CORE_HEAD_DIMS.len(), "one entry per head grouping and head_dim");
+    assert_eq!(entries.len(), 3 * TENSOR_CORE_HEAD_DIMS.len(), "one entry per (grouping, stages) and head_dim");
     for e in entries {
         let name = e.split('(').next().unwrap_or("?").trim();
         assert!(e.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"), "{name} lacks mma.sync");
