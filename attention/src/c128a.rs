@@ -16,14 +16,6 @@ pub const C128A_RATIO: usize = 128;
 /// Row-width alignment of the c128a index buffers (FlashMLA's `B_TOPK`).
 pub const C128A_ALIGN: usize = 128;
 
-/// Most blocks of the decode build per multiprocessor (each takes tokens `b`, `b + grid`, …): a
-/// grid of one block per token fills every multiprocessor with this build alone, so the SWA and
-/// c4a builds beside it in a step wait for its blocks to leave. On an H200, a step of 1024 decode
-/// rows (upload, then the three builds on parallel graph branches) took 31.6 µs at 3 blocks per
-/// multiprocessor, 32.3 at 5, 33.5 at 4 and 34.3–34.9 with one block per token, in one run;
-/// the c128a build alone takes about 2 µs longer at 3.
-const C128A_BLOCKS_PER_UNIT: usize = 3;
-
 /// `round_up(ceil(max_model_len / 128), 128)`: the width of every c128a index row.
 pub fn c128a_max_compressed(max_model_len: usize) -> usize {
     max_model_len.div_ceil(C128A_RATIO).div_ceil(C128A_ALIGN) * C128A_ALIGN
@@ -156,9 +148,7 @@ impl C128aBuilder {
                     (self.cbs as u32).into(),
                     (bt.max_blocks_per_seq as u32).into(),
                 ];
-                let units = (dev.info().compute_units as usize).max(1);
-                let grid = row_grid(d.min(C128A_BLOCKS_PER_UNIT * units), 128);
-                s.launch(&self.attn.c128a_decode, grid, &args)?;
+                s.launch(&self.attn.c128a_decode, row_grid(d, 128), &args)?;
                 launches += 1;
                 Some(C128aDecode { indices, lens, ragged })
             } else {

@@ -81,8 +81,7 @@ HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t
     }
 }
 
-// Blocks (power-of-two threads) take decode tokens t = blockIdx.x, + gridDim.x, ... (the host caps
-// the grid at a few blocks per multiprocessor): the first n = min((pos + 1) / ratio, width)
+// One block (power-of-two threads) per decode token: the first n = min((pos + 1) / ratio, width)
 // compressed entries' global slots (compressed block size cbs), -1 after; lens[t] = n, 0 (and all
 // -1) if invalid; and, in the same launch, indptr / flat as hf_dsv4_swa_decode. Where the dense
 // rows are 16-byte aligned (width % 4 == 0 and an aligned buffer) each thread makes four
