@@ -531,6 +531,21 @@ const MMA32: MmaShape = MmaShape { mg: 2, stages: 2 };
 /// against 174 µs), so that batch keeps [`MMA32`]. (Blocks of 64 heads, which read each row's
 /// entries once instead of twice, were slower at batch 1 to 64 and level at 256.)
 const MMA32_DEEP: MmaShape = MmaShape { mg: 2, stages: 3 };
+/// The tensor-core shape for `rows` rows of `heads` heads on a device of `units`
+/// multiprocessors: more than 16 heads, 32 per block with three stages while that grid fits the
+/// multiprocessors once (one block each), two stages past it (two blocks each); up to 16 heads,
+/// 16 per block while 32-head blocks would not fill the device.
+fn mma_shape(rows: usize, heads: usize, units: usize) -> MmaShape {
+    let blocks32 = rows.max(1) * heads.div_ceil(32);
+    if heads > 16 && blocks32 <= units {
+        MMA32_DEEP
+    } else if heads > 16 || blocks32 >= units {
+        MMA32
+    } else {
+        MMA16
+    }
+}
+
 /// Every tensor-core shape the kernel source instantiates.
 const MMA_SHAPES: [MmaShape; 3] = [MMA16, MMA32, MMA32_DEEP];
 
@@ -704,16 +719,11 @@ impl SparseAttention {
         let rows = rows.max(1);
         match &self.mma {
             Some([k16, k32, k32_deep]) => {
-                // More than 16 heads: 32 per block, three stages while that grid fits the
-                // multiprocessors once (one block each), two stages past it (two blocks each).
-                // Up to 16 heads: 16 per block while 32-head blocks would not fill the device.
-                let blocks32 = rows * h.div_ceil(32);
-                let (shape, kernel) = if h > 16 && blocks32 <= self.compute_units {
-                    (MMA32_DEEP, k32_deep)
-                } else if h > 16 || blocks32 >= self.compute_units {
-                    (MMA32, k32)
-                } else {
-                    (MMA16, k16)
+                let shape = mma_shape(rows, h, self.compute_units);
+                let kernel = match shape {
+                    MMA16 => k16,
+                    MMA32 => k32,
+                    _ => k32_deep,
                 };
                 let blocks = rows * h.div_ceil(16 * shape.mg);
                 let cfg = LaunchConfig {
@@ -831,5 +841,37 @@ impl SparseAttention {
         ];
         s.launch(kernel, cfg, &args)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_tensor_core_shape_follows_the_rows_and_heads_only() {
+        // 64 heads on 132 multiprocessors: three stages up to 66 rows (132 blocks of 32 heads).
+        assert_eq!(mma_shape(1, 64, 132), MMA32_DEEP);
+        assert_eq!(mma_shape(66, 64, 132), MMA32_DEEP);
+        assert_eq!(mma_shape(67, 64, 132), MMA32);
+        assert_eq!(mma_shape(256, 64, 132), MMA32);
+        // 0 rows launch as 1.
+        assert_eq!(mma_shape(0, 64, 132), MMA32_DEEP);
+        // Up to 16 heads: 16 per block until 32-head blocks fill the device.
+        assert_eq!(mma_shape(1, 16, 132), MMA16);
+        assert_eq!(mma_shape(131, 16, 132), MMA16);
+        assert_eq!(mma_shape(132, 16, 132), MMA32);
+        assert_eq!(mma_shape(1, 17, 132), MMA32_DEEP);
+        // Every shape fits the H200's 227 KiB of shared memory at every head_dim.
+        for d in MMA_DIMS {
+            for shape in MMA_SHAPES {
+                assert!(mma_shared_bytes(shape, d) <= 227 * 1024, "{shape:?} at {d}");
+            }
+        }
+        // The three stages hold one more K tile than two.
+        assert_eq!(
+            mma_shared_bytes(MMA32_DEEP, 512) - mma_shared_bytes(MMA32, 512),
+            MMA_TILE * (512 + 8) * 2 + MMA_TILE * 4
+        );
     }
 }
