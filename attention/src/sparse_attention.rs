@@ -13,10 +13,11 @@
 //!   (row, group of 16 or 32 heads), `8 × heads-per-block` threads. The row's entries stream
 //!   through shared memory in tiles of 32 (`cp.async`, two tiles staged, about 85 KiB of shared
 //!   memory at `head_dim` 512, or three where the grid is one block per multiprocessor at most);
-//!   `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q` held in registers. Per tile the scores are the sum of four `head_dim / 4` slices in slice
-//!   order, the online softmax runs in f32 and `p` is rounded to bf16 both for `p·v` and for the
-//!   running sum `l`. Relative to the f32 definition this costs the bf16 rounding of `p` (the
-//!   tests bound the relative L2 error by 1e-2). Which entry runs follows the padded row count
+//!   `q·kᵀ` and `p·v` run as bf16 `mma.sync` with f32 accumulation, `q` held in registers. Per
+//!   tile the scores are the sum of four `head_dim / 4` slices in slice order, the online softmax
+//!   runs in f32 and `p` is rounded to bf16 both for `p·v` and for the running sum `l`. Relative
+//!   to the f32 definition this costs the bf16 rounding of `p` (the tests bound the relative L2
+//!   error by 1e-2). Which entry runs follows the padded row count
 //!   ([`SparseAttention`]'s launch: 32 heads and three stages while that grid fits the
 //!   multiprocessors once, then 32 heads and two stages; 16 heads for up to 16 heads while their
 //!   grid would not fill the device); every output element's arithmetic depends on its own row
