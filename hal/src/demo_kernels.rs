@@ -106,6 +106,61 @@ HF_KERNEL void hf_cluster_sum(const float* x, float* out, uint32_t cluster, uint
     if (threadIdx.x == 0 && b < n) out[b] = __int_as_float(0x7fc00000);
 #endif
 }
+// Warpgroup MMA with the no-swizzle operand layouts of portability.h (HF_HAS_WGMMA), one block of
+// 256 threads (two warpgroups) and 81920 bytes of dynamic shared memory: s [64, 64] = a · bkᵀ
+// (a [64, 64], bk [64, 64] whose rows are s's columns: K-major B, 32 columns per warpgroup) and
+// o [64, 512] = a · v (v [64, 512] whose rows run along K: N-major B, 256 columns per
+// warpgroup), f32. Operand element (r, k) of an R x K tile sits at byte
+// (r / 8)·16K + (k / 8)·128 + (r % 8)·16 + (k % 8)·2. Without warpgroup MMA, s and o are NaN.
+HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16* v, float* s, float* o) {
+    const uint32_t tid = threadIdx.x;
+#if defined(HF_HAS_WGMMA)
+    extern __shared__ __align__(128) unsigned char hf_smem[];
+    const uint32_t a_s = hf_smem_addr(hf_smem), b_s = a_s + 8192u, v_s = a_s + 16384u;
+    for (uint32_t i = tid; i < 64u * 64u; i += blockDim.x) {
+        const uint32_t r = i / 64u, k = i % 64u;
+        const uint32_t off = (r >> 3) * 1024u + (k >> 3) * 128u + (r & 7u) * 16u + (k & 7u) * 2u;
+        *(hf_bf16*)(hf_smem + off) = a[i];
+        *(hf_bf16*)(hf_smem + 8192u + off) = bk[i];
+    }
+    for (uint32_t i = tid; i < 64u * 512u; i += blockDim.x) {
+        const uint32_t r = i / 512u, k = i % 512u;
+        *(hf_bf16*)(hf_smem + 16384u + (r >> 3) * 8192u + (k >> 3) * 128u + (r & 7u) * 16u + (k & 7u) * 2u) = v[i];
+    }
+    hf_fence_proxy_async();
+    __syncthreads();
+    const uint32_t wg = tid >> 7, row = ((tid >> 5) & 3u) * 16u + ((tid & 31u) >> 2), col = 2u * (tid & 3u);
+    float acc[16];
+    hf_wgmma_fence();
+#pragma unroll
+    for (uint32_t ks = 0; ks < 4u; ++ks)
+        hf_wgmma_m64n32k16(acc, hf_wgmma_desc(a_s + ks * 256u, 128u, 1024u),
+                           hf_wgmma_desc(b_s + wg * 4u * 1024u + ks * 256u, 128u, 1024u), ks > 0u ? 1u : 0u);
+    hf_wgmma_commit();
+    hf_wgmma_wait<0>();
+#pragma unroll
+    for (uint32_t j = 0; j < 4u; ++j)
+#pragma unroll
+        for (uint32_t e = 0; e < 4u; ++e)
+            s[(row + (e >> 1) * 8u) * 64u + wg * 32u + j * 8u + col + (e & 1u)] = acc[j * 4u + e];
+    float acc2[128];
+    hf_wgmma_fence();
+#pragma unroll
+    for (uint32_t kk = 0; kk < 4u; ++kk)
+        hf_wgmma_m64n256k16_tb(acc2, hf_wgmma_desc(a_s + kk * 256u, 128u, 1024u),
+                               hf_wgmma_desc(v_s + kk * 2u * 8192u + wg * 32u * 128u, 8192u, 128u), kk > 0u ? 1u : 0u);
+    hf_wgmma_commit();
+    hf_wgmma_wait<0>();
+#pragma unroll
+    for (uint32_t j = 0; j < 32u; ++j)
+#pragma unroll
+        for (uint32_t e = 0; e < 4u; ++e)
+            o[(row + (e >> 1) * 8u) * 512u + wg * 256u + j * 8u + col + (e & 1u)] = acc2[j * 4u + e];
+#else
+    for (uint32_t i = tid; i < 64u * 64u; i += blockDim.x) s[i] = __int_as_float(0x7fc00000);
+    for (uint32_t i = tid; i < 64u * 512u; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
+#endif
+}
 "#;
 
 fn n_arg(l: &CpuLaunch<'_>, i: usize, views: &[usize]) -> Result<usize> {
@@ -192,6 +247,20 @@ fn row_sum_bf16(l: &CpuLaunch<'_>) -> Result<()> {
     out.write(0, &sums)
 }
 
+/// `hf_wgmma_check`'s definition: `s = a · bkᵀ` (`[64, 64]`) and `o = a · v` (`[64, 512]`) in f32.
+fn wgmma_check(l: &CpuLaunch<'_>) -> Result<()> {
+    let (a, bk, v) = (l.ptr::<bf16>(0)?.read(0, 64 * 64)?, l.ptr::<bf16>(1)?.read(0, 64 * 64)?, l.ptr::<bf16>(2)?);
+    let v = v.read(0, 64 * 512)?;
+    let dot = |r: usize, f: &dyn Fn(usize) -> f32| (0..64).fold(0.0f32, |acc, k| acc + a[r * 64 + k].to_f32() * f(k));
+    let s: Vec<f32> = (0..64 * 64).map(|i| dot(i / 64, &|k| bk[(i % 64) * 64 + k].to_f32())).collect();
+    let o: Vec<f32> = (0..64 * 512).map(|i| dot(i / 512, &|k| v[k * 512 + i % 512].to_f32())).collect();
+    l.ptr::<f32>(3)?.write(0, &s)?;
+    l.ptr::<f32>(4)?.write(0, &o)
+}
+
+/// Dynamic shared memory `hf_wgmma_check` needs, bytes.
+pub const WGMMA_CHECK_SHARED_BYTES: u32 = (64 * 64 * 2 + 64 * 512) * 2;
+
 /// The integer definition of the f32 → bf16 rounding (portability.h's `hf_f32_to_bf16_bits_soft`).
 fn bf16_bits_soft(u: u32) -> u16 {
     if u & 0x7fff_ffff > 0x7f80_0000 {
@@ -220,7 +289,9 @@ fn bf16_round_check(l: &CpuLaunch<'_>) -> Result<()> {
 /// `out [rows]` f32, one block per row; the CPU sum order differs, so compare within tolerance) and
 /// `hf_bf16_round_check` (the device's f32 → bf16 conversions, single and paired, against their
 /// integer definition over `hi_count · 2¹⁶` bit patterns from `hi_first << 16`; the CPU checks
-/// the definition against the `half` crate).
+/// the definition against the `half` crate), `hf_cluster_sum` (clusters' shared memory) and
+/// `hf_wgmma_check` (warpgroup MMA's operand layouts: `[64, 64] · [64, 64]ᵀ` and
+/// `[64, 64] · [64, 512]` in f32, one block of 256 threads with [`WGMMA_CHECK_SHARED_BYTES`]).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -285,6 +356,17 @@ pub fn source() -> &'static KernelSource {
                         Param::scalar("cols", ScalarKind::U32),
                     ],
                     cpu: row_sum_bf16,
+                },
+                KernelEntry {
+                    name: "hf_wgmma_check",
+                    params: vec![
+                        Param::input::<bf16>("a"),
+                        Param::input::<bf16>("bk"),
+                        Param::input::<bf16>("v"),
+                        Param::output::<f32>("s"),
+                        Param::output::<f32>("o"),
+                    ],
+                    cpu: wgmma_check,
                 },
                 KernelEntry {
                     name: "hf_bf16_round_check",

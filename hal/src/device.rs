@@ -89,7 +89,7 @@ pub struct DeviceInfo {
     pub ordinal: usize,
     /// Total device memory, bytes.
     pub total_memory: u64,
-    /// Compilation target: `sm_90`, `gfx90a`, or `cpu`.
+    /// Compilation target: `sm_90a` (compute capability 9.0), `sm_80`, `gfx90a`, or `cpu`.
     pub arch: String,
     /// Streaming multiprocessors / compute units (host threads for the CPU backend).
     pub compute_units: u32,
@@ -106,6 +106,12 @@ impl DeviceInfo {
     /// which kernel sources see `HF_HAS_MMA` (portability.h).
     pub fn has_bf16_mma(&self) -> bool {
         self.backend == BackendKind::Cuda && self.sm().is_some_and(|v| v >= 80)
+    }
+
+    /// Whether kernel sources see `HF_HAS_WGMMA` (portability.h): warpgroup MMA, compiled for the
+    /// architecture-specific `sm_90a` target of compute capability 9.0 (H100, H200).
+    pub fn has_wgmma(&self) -> bool {
+        self.backend == BackendKind::Cuda && self.arch == "sm_90a"
     }
 
     /// Whether the device runs thread-block clusters ([`crate::Stream::launch_cluster`]): NVIDIA

@@ -46,23 +46,27 @@ macro_rules! device_suite {
 /// The default `setup` of [`device_suite!`]: nothing.
 pub fn no_setup(_dev: &crate::Device) {}
 
-/// Compiles `src` with NVRTC for `sm_90` and checks that every entry point is in the PTX: the
-/// CI compile check of a crate's kernels, with no GPU needed. Returns the CUBIN size, or `None`
-/// (after printing a `skipped:` line) when NVRTC is not installed, unless
-/// `HOLDFAST_REQUIRE_NVRTC` is set (as in CI), where a missing NVRTC fails. Panics on failure:
-/// this is a test helper.
+/// Compiles `src` with NVRTC for `sm_90` and for `sm_90a` (the target an H100 or H200 runs, with
+/// warpgroup MMA) and checks that every entry point is in each PTX: the CI compile check of a
+/// crate's kernels, with no GPU needed. Returns the `sm_90a` CUBIN size, or `None` (after printing
+/// a `skipped:` line) when NVRTC is not installed, unless `HOLDFAST_REQUIRE_NVRTC` is set (as in
+/// CI), where a missing NVRTC fails. Panics on failure: this is a test helper.
 #[cfg(feature = "cuda")]
 pub fn assert_compiles_for_sm_90(src: &crate::KernelSource) -> Option<usize> {
     if compiler_missing("NVRTC", "HOLDFAST_REQUIRE_NVRTC", crate::cuda::nvrtc_unavailable_reason()) {
         return None;
     }
-    let (cubin, ptx) = crate::cuda::compile(src, "sm_90", 32).unwrap_or_else(|e| panic!("{e}"));
-    assert!(!cubin.is_empty(), "`{}`: NVRTC produced no CUBIN", src.name);
-    let ptx = String::from_utf8_lossy(&ptx);
-    for e in &src.entries {
-        assert!(ptx.contains(e.name), "`{}`: the PTX lacks entry point {}", src.name, e.name);
+    let mut size = 0;
+    for arch in ["sm_90", "sm_90a"] {
+        let (cubin, ptx) = crate::cuda::compile(src, arch, 32).unwrap_or_else(|e| panic!("{arch}: {e}"));
+        assert!(!cubin.is_empty(), "`{}`: NVRTC produced no CUBIN for {arch}", src.name);
+        let ptx = String::from_utf8_lossy(&ptx);
+        for e in &src.entries {
+            assert!(ptx.contains(e.name), "`{}`: the {arch} PTX lacks entry point {}", src.name, e.name);
+        }
+        size = cubin.len();
     }
-    Some(cubin.len())
+    Some(size)
 }
 
 /// Compiles `src` with hipRTC for `gfx90a` (wavefront 64): the CI compile check of a crate's

@@ -717,8 +717,45 @@ fn active_clusters_shrink_with_the_blocks_and_refuse_misuse(dev: &Device) {
     }
 }
 
+/// Warpgroup MMA with portability.h's operand layouts (K-major and N-major B) against the f32
+/// definition, exactly: small integer inputs make every product and sum exact in f32, so any
+/// misplaced element shows. A device without warpgroup MMA writes NaN (and the test says so).
+fn warpgroup_mma_layouts_match_the_definition(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let ints = |n: usize, seed: usize| -> Vec<bf16> {
+        (0..n).map(|i| bf16::from_f32(((i * 7 + seed * 13 + i / 64 * 3) % 9) as f32 - 4.0)).collect()
+    };
+    let (a, bk, v) = (ints(64 * 64, 1), ints(64 * 64, 2), ints(64 * 512, 3));
+    let up = |l: &str, x: &[bf16]| dev.alloc_from_slice(l, x, true).expect("input");
+    let (ab, bb, vb) = (up("a", &a), up("bk", &bk), up("v", &v));
+    let sb = dev.alloc::<f32>("s", 64 * 64).expect("s");
+    let ob = dev.alloc::<f32>("o", 64 * 512).expect("o");
+    let cfg =
+        LaunchConfig { grid: (1, 1, 1), block: (256, 1, 1), shared_mem_bytes: demo_kernels::WGMMA_CHECK_SHARED_BYTES };
+    let args: [Arg; 5] = [(&ab).into(), (&bb).into(), (&vb).into(), (&sb).into(), (&ob).into()];
+    s.launch(&kernel(dev, "hf_wgmma_check"), cfg, &args).expect("launch");
+    let (got_s, got_o) = (s.copy_to_host_sync(&sb.view()).expect("s"), s.copy_to_host_sync(&ob.view()).expect("o"));
+    if dev.backend() == BackendKind::Cuda && !dev.info().has_wgmma() {
+        assert!(got_s.iter().chain(&got_o).all(|x| x.is_nan()), "no warpgroup MMA: NaN");
+        eprintln!("skipped: {} ({}) has no warpgroup MMA", dev.info().name, dev.info().arch);
+        return;
+    }
+    let f = |x: &bf16| x.to_f32();
+    for r in 0..64 {
+        for n in 0..64 {
+            let want: f32 = (0..64).map(|k| f(&a[r * 64 + k]) * f(&bk[n * 64 + k])).sum();
+            assert_eq!(got_s[r * 64 + n], want, "a·bkᵀ at ({r}, {n}) (K-major B)");
+        }
+        for n in 0..512 {
+            let want: f32 = (0..64).map(|k| f(&a[r * 64 + k]) * f(&v[k * 512 + n])).sum();
+            assert_eq!(got_o[r * 512 + n], want, "a·v at ({r}, {n}) (N-major B)");
+        }
+    }
+}
+
 holdfast_hal::device_suite!(
     setup = super::module_for_setup;     eager_kernels_match_their_host_definition,
+    warpgroup_mma_layouts_match_the_definition,
     memset_copy_and_views_keep_addresses,
     capture_then_replay_with_new_inputs_equals_eager,
     every_capture_rule_is_enforced_and_the_capture_stays_usable,

@@ -97,7 +97,9 @@ impl CudaDevice {
         // SAFETY: no buffer has been allocated through this context yet; the HAL orders streams.
         unsafe { ctx.disable_event_tracking() };
         let (major, minor) = ctx.compute_capability().map_err(drv("cuDeviceGetAttribute"))?;
-        let arch = format!("sm_{major}{minor}");
+        // sm_90 compiles for its architecture-specific target (`sm_90a`: warpgroup MMA), which
+        // runs on compute capability 9.0 exactly; other devices get the portable `sm_XY`.
+        let arch = if (major, minor) == (9, 0) { "sm_90a".to_string() } else { format!("sm_{major}{minor}") };
         let sms = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("cuDeviceGetAttribute"))?;
