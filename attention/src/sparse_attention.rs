@@ -394,6 +394,240 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d64_bf16, 2, 64, 1, 3)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d128_bf16, 2, 128, 1, 3)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d256_bf16, 2, 256, 1, 3)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
+
+// ---- Warpgroup path (sm_90a, HF_HAS_WGMMA): head_dim 512, 64 heads per block ----
+//
+// One block per (row, group of 64 heads), two warpgroups (256 threads). Q of the 64 heads sits in
+// shared memory for the whole row; the row's entries (main, then extra) stream through two
+// cp.async-staged tiles of 64 entries. All operands use the no-swizzle layout of 8 x 8 core
+// matrices (hf_wg_off). Per tile: (1) warpgroup w scores the tile's entries 32w..32w+31 against
+// all 64 heads (32 wgmma m64n32k16 over head_dim, Q and K from shared memory); (2) the row maxima
+// are exchanged through shared memory so both warpgroups keep the same running max; each rounds
+// its P to bf16 into a shared 64 x 64 tile and keeps its own running sum of the rounded P;
+// (3) warpgroup w accumulates O[:, 256w..256w+255] += P · V with four wgmma m64n256k16 (V is the
+// K tile read N-major). The two running sums are added at the end (warpgroup 0's first). Every
+// output element's arithmetic depends on its own row and head only.
+#define HF_WG_HEADS 64
+#define HF_WG_NT 64
+
+#if defined(HF_HAS_WGMMA)
+#define HF_ATTN_WG 1
+// Byte offset of element (r, k) in a no-swizzle K-major tile with K columns of bf16: core matrix
+// (r / 8, k / 8) of 128 bytes, rows of 16 bytes.
+__device__ __forceinline__ uint32_t hf_wg_off(uint32_t r, uint32_t k, uint32_t K) {
+    return (r >> 3) * (K * 16u) + (k >> 3) * 128u + (r & 7u) * 16u + (k & 7u) * 2u;
+}
+
+__device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q, const hf_bf16* __restrict__ main_cache,
+                                                  const int32_t* __restrict__ main_idx,
+                                                  const int32_t* __restrict__ main_indptr,
+                                                  const hf_bf16* __restrict__ extra_cache,
+                                                  const int32_t* __restrict__ extra_idx,
+                                                  const int32_t* __restrict__ extra_indptr,
+                                                  const float* __restrict__ sink, hf_bf16* __restrict__ out, uint32_t T,
+                                                  uint32_t H, uint32_t S_main, uint32_t S_extra, uint32_t has_extra,
+                                                  float scale) {
+    constexpr uint32_t D = 512u, HB = HF_WG_HEADS, NT = HF_WG_NT, NTH = 256u;
+    constexpr uint32_t ROWB = D * 16u;                     // bytes per 8 rows of a D-wide tile
+    constexpr uint32_t QB = HB * D * 2u, TB = NT * D * 2u, PB = HB * NT * 2u;
+    constexpr uint32_t PIECES = D / 8u;                    // 16-byte pieces per row
+    extern __shared__ __align__(128) unsigned char hf_smem[];
+    const uint32_t groups = (H + HB - 1u) / HB;
+    const uint32_t t = blockIdx.x / groups, hbase = (blockIdx.x % groups) * HB;
+    if (t >= T) return;
+    int32_t* vld = (int32_t*)(hf_smem + QB + 2u * TB + PB);  // [2][NT]
+    float* red = (float*)(vld + 2u * NT);                    // [2][HB]
+    const uint32_t qs_a = hf_smem_addr(hf_smem), ks_a = qs_a + QB, ps_a = ks_a + 2u * TB;
+    unsigned char* ps = hf_smem + QB + 2u * TB;
+
+    const uint32_t tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3u, lane = tid & 31u;
+    const uint32_t g = lane >> 2, c = lane & 3u;
+    const uint32_t r0 = warp * 16u + g, r1 = r0 + 8u;  // this thread's two heads (block rows)
+    const float NEG_INF = __int_as_float(0xff800000);
+
+    const int32_t mb = main_indptr[t], me = main_indptr[t + 1u];
+    const int32_t eb = has_extra ? extra_indptr[t] : 0, ee = has_extra ? extra_indptr[t + 1u] : 0;
+    const uint32_t nm = me > mb ? (uint32_t)(me - mb) : 0u, ne = ee > eb ? (uint32_t)(ee - eb) : 0u;
+    const uint32_t n = nm + ne, ntiles = (n + NT - 1u) / NT;
+
+    // Piece p = i·NTH + tid of a [rows x D] tile lands at byte 16p of the K-major layout: row
+    // 8·(p / D) + p % 8, pieces (p / 8) % (D / 8). Each thread moves two pieces of eight rows.
+    // Q (heads past H are zero rows):
+#pragma unroll
+    for (uint32_t i = 0; i < HB * PIECES / NTH; ++i) {
+        const uint32_t p = i * NTH + tid, r = (p / D) * 8u + (p & 7u), piece = (p >> 3) % PIECES;
+        const uint32_t h = hbase + r;
+        const bool ok = h < H;
+        hf_cp_async16(qs_a + p * 16u, q + (ok ? ((uint64_t)t * H + h) * D + piece * 8u : 0u), ok ? 16u : 0u);
+    }
+    // The slots of the eight entries of tile `tile` this thread stages (-1 past the list): plain
+    // loads, all in flight at once, fetched a tile ahead so staging never waits on them.
+    auto fetch = [&](uint32_t tile, int32_t* sl) {
+#pragma unroll
+        for (uint32_t e8 = 0; e8 < NT / 8u; ++e8) {
+            const uint32_t j = tile * NT + e8 * 8u + (tid & 7u);
+            sl[e8] = j < nm ? main_idx[mb + (int32_t)j] : j < n ? extra_idx[eb + (int32_t)(j - nm)] : -1;
+        }
+    };
+    // Tile `tile` into buffer `b` from its fetched slots (invalid or missing entries are zero rows
+    // with vld 0); commits.
+    auto stage = [&](uint32_t tile, uint32_t b, const int32_t* sl) {
+#pragma unroll
+        for (uint32_t e8 = 0; e8 < NT / 8u; ++e8) {
+            const uint32_t e = e8 * 8u + (tid & 7u), j = tile * NT + e;
+            const bool in_main = j < nm;
+            const int32_t slot = sl[e8];
+            const uint32_t ok = (j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra)) ? 1u : 0u;
+            const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D : 0u);
+#pragma unroll
+            for (uint32_t h2 = 0; h2 < 2u; ++h2) {
+                const uint32_t p = (e8 * 2u + h2) * NTH + tid, piece = (p >> 3) % PIECES;
+                hf_cp_async16(ks_a + b * TB + p * 16u, src + (ok ? piece * 8u : 0u), ok ? 16u : 0u);
+            }
+            if ((tid >> 3) == 0u) vld[b * NT + e] = (int32_t)ok;
+        }
+        hf_cp_async_commit();
+    };
+    int32_t sl[NT / 8u];
+    fetch(0u, sl);
+    if (ntiles > 0u) stage(0u, 0u, sl);
+    else hf_cp_async_commit();
+    if (ntiles > 1u) fetch(1u, sl);
+
+    float o[D / 2u / 2u];  // 64 x 256 f32 accumulators of this warpgroup's half of head_dim
+#pragma unroll
+    for (uint32_t i = 0; i < D / 4u; ++i) o[i] = 0.0f;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+
+    for (uint32_t tile = 0; tile < ntiles; ++tile) {
+        const uint32_t b = tile & 1u;
+        hf_cp_async_wait<0>();
+        hf_fence_proxy_async();
+        __syncthreads();  // tile `tile` (and Q) visible; everyone done with buffer b ^ 1 and P
+        if (tile + 1u < ntiles) stage(tile + 1u, b ^ 1u, sl);
+        if (tile + 2u < ntiles) fetch(tile + 2u, sl);  // lands while this tile computes
+
+        // (1) S = Q · K^T for this warpgroup's 32 entries.
+        float s[16];
+        hf_wgmma_fence();
+#pragma unroll
+        for (uint32_t ks = 0; ks < D / 16u; ++ks) {
+            const uint64_t da = hf_wgmma_desc(qs_a + ks * 256u, 128u, ROWB);
+            const uint64_t db = hf_wgmma_desc(ks_a + b * TB + wg * 4u * ROWB + ks * 256u, 128u, ROWB);
+            hf_wgmma_m64n32k16(s, da, db, ks > 0u ? 1u : 0u);
+        }
+        hf_wgmma_commit();
+        hf_wgmma_wait<0>();
+
+        // (2) masked, scaled scores; row maxima over both warpgroups; P in bf16.
+        const int32_t* vb = vld + b * NT + wg * 32u;
+        float mx0 = NEG_INF, mx1 = NEG_INF;
+#pragma unroll
+        for (uint32_t j = 0; j < 4u; ++j) {
+#pragma unroll
+            for (uint32_t u = 0; u < 2u; ++u) {
+                const bool ok = vb[j * 8u + 2u * c + u] != 0;
+                s[j * 4u + u] = ok ? s[j * 4u + u] * scale : NEG_INF;
+                s[j * 4u + 2u + u] = ok ? s[j * 4u + 2u + u] * scale : NEG_INF;
+                mx0 = fmaxf(mx0, s[j * 4u + u]);
+                mx1 = fmaxf(mx1, s[j * 4u + 2u + u]);
+            }
+        }
+        mx0 = fmaxf(mx0, hf_shfl_xor(mx0, 1));
+        mx0 = fmaxf(mx0, hf_shfl_xor(mx0, 2));
+        mx1 = fmaxf(mx1, hf_shfl_xor(mx1, 1));
+        mx1 = fmaxf(mx1, hf_shfl_xor(mx1, 2));
+        if (c == 0u) {
+            red[wg * HB + r0] = mx0;
+            red[wg * HB + r1] = mx1;
+        }
+        __syncthreads();
+        const float n0 = fmaxf(m0, fmaxf(red[r0], red[HB + r0]));
+        const float n1 = fmaxf(m1, fmaxf(red[r1], red[HB + r1]));
+        const float corr0 = m0 == NEG_INF ? 0.0f : expf(m0 - n0);
+        const float corr1 = m1 == NEG_INF ? 0.0f : expf(m1 - n1);
+        float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+        for (uint32_t j = 0; j < 4u; ++j) {
+            const uint32_t e = wg * 32u + j * 8u + 2u * c;
+            const float a0 = s[j * 4u] == NEG_INF ? 0.0f : expf(s[j * 4u] - n0);
+            const float a1 = s[j * 4u + 1u] == NEG_INF ? 0.0f : expf(s[j * 4u + 1u] - n0);
+            const float b0 = s[j * 4u + 2u] == NEG_INF ? 0.0f : expf(s[j * 4u + 2u] - n1);
+            const float b1 = s[j * 4u + 3u] == NEG_INF ? 0.0f : expf(s[j * 4u + 3u] - n1);
+            const hf_bf16 qa0 = hf_f32_to_bf16(a0), qa1 = hf_f32_to_bf16(a1);
+            const hf_bf16 qb0 = hf_f32_to_bf16(b0), qb1 = hf_f32_to_bf16(b1);
+            rs0 += hf_bf16_to_f32(qa0);
+            rs0 += hf_bf16_to_f32(qa1);
+            rs1 += hf_bf16_to_f32(qb0);
+            rs1 += hf_bf16_to_f32(qb1);
+            *(uint32_t*)(ps + hf_wg_off(r0, e, NT)) = (uint32_t)qa0.bits | ((uint32_t)qa1.bits << 16);
+            *(uint32_t*)(ps + hf_wg_off(r1, e, NT)) = (uint32_t)qb0.bits | ((uint32_t)qb1.bits << 16);
+        }
+        rs0 += hf_shfl_xor(rs0, 1);
+        rs0 += hf_shfl_xor(rs0, 2);
+        rs1 += hf_shfl_xor(rs1, 1);
+        rs1 += hf_shfl_xor(rs1, 2);
+        l0 = l0 * corr0 + rs0;
+        l1 = l1 * corr1 + rs1;
+        m0 = n0;
+        m1 = n1;
+#pragma unroll
+        for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
+        hf_fence_proxy_async();
+        __syncthreads();  // P of both warpgroups complete
+
+        // (3) O[:, 256·wg ..] += P · V (V = the K tile, N-major).
+        hf_wgmma_fence();
+#pragma unroll
+        for (uint32_t kk = 0; kk < NT / 16u; ++kk) {
+            const uint64_t da = hf_wgmma_desc(ps_a + kk * 256u, 128u, NT * 16u);
+            const uint64_t db = hf_wgmma_desc(ks_a + b * TB + kk * 2u * ROWB + wg * (D / 16u) * 128u, ROWB, 128u);
+            hf_wgmma_m64n256k16_tb(o, da, db, 1u);
+        }
+        hf_wgmma_commit();
+        hf_wgmma_wait<0>();
+    }
+    hf_cp_async_wait<0>();
+
+    // Sink and normalisation with l = l(warpgroup 0) + l(warpgroup 1).
+    __syncthreads();
+    if (c == 0u) {
+        red[wg * HB + r0] = l0;
+        red[wg * HB + r1] = l1;
+    }
+    __syncthreads();
+#pragma unroll
+    for (uint32_t half = 0; half < 2u; ++half) {
+        const uint32_t hr = half ? r1 : r0, h = hbase + hr;
+        if (h >= H) continue;
+        const float m = half ? m1 : m0, sk = sink[h];
+        const float mn = fmaxf(m, sk);
+        const float corr = m == NEG_INF ? 0.0f : expf(m - mn);
+        const float lp = (red[hr] + red[HB + hr]) * corr + expf(sk - mn);
+        const float f = lp > 0.0f ? corr / fmaxf(lp, 1e-30f) : 0.0f;
+        uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + wg * (D / 2u) + 2u * c);
+#pragma unroll
+        for (uint32_t j = 0; j < D / 16u; ++j) orow[j * 4u] = hf_pack_bf16x2(o[j * 4u + half * 2u] * f, o[j * 4u + half * 2u + 1u] * f);
+    }
+}
+#endif
+
+// The warpgroup entry (head_dim 512). Without warpgroup MMA the entry exists but the launcher never
+// picks it.
+HF_KERNEL void
+#if defined(HF_ATTN_WG)
+__launch_bounds__(256, 1)
+#endif
+hf_sparse_attn_wg64_d512_bf16(const hf_bf16* q, const hf_bf16* main_cache, const int32_t* main_idx,
+                              const int32_t* main_indptr, const hf_bf16* extra_cache, const int32_t* extra_idx,
+                              const int32_t* extra_indptr, const float* sink, hf_bf16* out, uint32_t T, uint32_t H,
+                              uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra, float scale) {
+#if defined(HF_ATTN_WG)
+    if (D != 512u) return;
+    hf_sparse_attn_wg(q, main_cache, main_idx, main_indptr, extra_cache, extra_idx, extra_indptr, sink, out, T, H,
+                      S_main, S_extra, has_extra, scale);
+#endif
+}
 "#;
 
 /// Heads handled by one block (4 warps × 2 heads).
@@ -579,8 +813,26 @@ fn mma_shared_bytes(shape: MmaShape, d: usize) -> usize {
     st * MMA_TILE * (d + 8) * 2 + 4 * hb * (MMA_TILE + 1) * 4 + hb * (MMA_TILE + 8) * 2 + st * MMA_TILE * 4 + 3 * hb * 4
 }
 
-/// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, and the tensor-core
-/// `hf_sparse_attn_mma{16,32,32s3}_d{64,128,256,512}_bf16`).
+/// The warpgroup kernel's entry point.
+const WG_ENTRY: &str = "hf_sparse_attn_wg64_d512_bf16";
+/// The warpgroup kernel's `head_dim`.
+pub const WG_HEAD_DIM: usize = 512;
+/// Heads per warpgroup-kernel block (`HF_WG_HEADS`).
+const WG_HEADS: usize = 64;
+/// Entries per warpgroup-kernel tile (`HF_WG_NT`).
+const WG_TILE: usize = 64;
+/// Dynamic shared memory of a warpgroup-kernel block, bytes: Q (`64 × 512` bf16), two K tiles
+/// (`64 × 512` bf16 each), P (`64 × 64` bf16), the tiles' validity flags (`2 × 64` i32) and the
+/// per-head exchange (`2 × 64` f32): 205 824 bytes.
+const WG_SHARED_BYTES: usize = WG_HEADS * WG_HEAD_DIM * 2
+    + 2 * WG_TILE * WG_HEAD_DIM * 2
+    + WG_HEADS * WG_TILE * 2
+    + 2 * WG_TILE * 4
+    + 2 * WG_HEADS * 4;
+
+/// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, the tensor-core
+/// `hf_sparse_attn_mma{16,32,32s3}_d{64,128,256,512}_bf16` and the warpgroup
+/// `hf_sparse_attn_wg64_d512_bf16`).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -605,6 +857,7 @@ pub fn source() -> &'static KernelSource {
             ]
             .into_iter()
             .chain(MMA_DIMS.iter().flat_map(|&d| MMA_SHAPES.map(|shape| attend_entry(mma_entry(shape, d)))))
+            .chain(std::iter::once(attend_entry(WG_ENTRY)))
             .collect(),
         }
     })
@@ -638,6 +891,12 @@ pub enum AttentionKernel {
     Auto,
     /// Always the portable CUDA-core kernel (for comparisons and for devices without tensor cores).
     Portable,
+    /// The warpgroup-MMA kernel (`wgmma`, [`DeviceInfo::has_wgmma`]: H100 / H200) at `head_dim`
+    /// 512: 64 heads per block, Q in shared memory, tiles of 64 entries; construction fails on
+    /// other devices and head sizes.
+    ///
+    /// [`DeviceInfo::has_wgmma`]: holdfast_hal::DeviceInfo::has_wgmma
+    Warpgroup,
 }
 
 /// KV insert and ragged sparse attention for a fixed `heads × head_dim`, compiled for one device.
@@ -651,6 +910,8 @@ pub struct SparseAttention {
     attend: Kernel,
     /// Tensor-core entries of [`MMA16`], [`MMA32`] and [`MMA32_DEEP`], when selected.
     mma: Option<[Kernel; 3]>,
+    /// The warpgroup entry, when selected ([`AttentionKernel::Warpgroup`]).
+    wg: Option<Kernel>,
 }
 
 /// True when `dev` runs the tensor-core kernel at `head_dim`: CUDA sm_80 or newer, `head_dim` one
@@ -688,6 +949,23 @@ impl SparseAttention {
             ));
         }
         let m = dev.compile(source())?;
+        let wg = if kernel == AttentionKernel::Warpgroup {
+            let info = dev.info();
+            if !info.has_wgmma() || head_dim != WG_HEAD_DIM || WG_SHARED_BYTES > info.max_shared_mem_per_block as usize
+            {
+                return Err(shape(
+                    OP,
+                    format!(
+                        "the warpgroup kernel needs warpgroup MMA (sm_90a), head_dim {WG_HEAD_DIM} and {WG_SHARED_BYTES} \
+                         bytes of shared memory per block; this is {} ({}) at head_dim {head_dim} with {} bytes",
+                        info.name, info.arch, info.max_shared_mem_per_block
+                    ),
+                ));
+            }
+            Some(m.kernel(WG_ENTRY)?)
+        } else {
+            None
+        };
         let mma = if kernel == AttentionKernel::Auto && tensor_cores_fit(dev, head_dim) {
             Some([
                 m.kernel(mma_entry(MMA16, head_dim))?,
@@ -705,12 +983,13 @@ impl SparseAttention {
             insert: m.kernel("hf_kv_insert_bf16")?,
             attend: m.kernel("hf_sparse_attn_bf16")?,
             mma,
+            wg,
         })
     }
 
-    /// True when [`SparseAttention::attend`] runs the tensor-core kernel.
+    /// True when [`SparseAttention::attend`] runs a tensor-core kernel (`mma.sync` or warpgroup).
     pub fn uses_tensor_cores(&self) -> bool {
-        self.mma.is_some()
+        self.mma.is_some() || self.wg.is_some()
     }
 
     /// The kernel and launch shape `attend` uses for `rows` rows: it depends on `rows` and the
@@ -718,6 +997,15 @@ impl SparseAttention {
     fn attend_launch(&self, rows: usize) -> (&Kernel, LaunchConfig) {
         let (h, d) = (self.heads, self.head_dim);
         let rows = rows.max(1);
+        if let Some(k) = &self.wg {
+            let blocks = rows * h.div_ceil(WG_HEADS);
+            let cfg = LaunchConfig {
+                grid: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
+                block: (256, 1, 1),
+                shared_mem_bytes: WG_SHARED_BYTES as u32,
+            };
+            return (k, cfg);
+        }
         match &self.mma {
             Some([k16, k32, k32_deep]) => {
                 let shape = mma_shape(rows, h, self.compute_units);
@@ -810,7 +1098,7 @@ impl SparseAttention {
                 ));
             }
         }
-        if self.mma.is_some() {
+        if self.uses_tensor_cores() {
             // cp.async moves 16-byte rows pieces and q is read as bf16 pairs.
             for (name, off) in [("main cache", main.cache.offset()), ("extra cache", ex.cache.offset())] {
                 if !off.is_multiple_of(8) {
@@ -819,6 +1107,12 @@ impl SparseAttention {
             }
             if !q.offset().is_multiple_of(2) || !out.offset().is_multiple_of(2) {
                 return Err(shape(OP, "q and out views must start at an even element".into()));
+            }
+            if self.wg.is_some() && !q.offset().is_multiple_of(8) {
+                return Err(shape(
+                    OP,
+                    format!("the warpgroup kernel stages q in 16-byte pieces: q starts at element {}", q.offset()),
+                ));
             }
         }
         let (kernel, cfg) = self.attend_launch(rows);

@@ -2,8 +2,8 @@
 //! inputs with poisoned outputs, batch invariance, graph replay over a growing sequence, and
 //! construction errors. Runs on `cpu` always and on `cuda:0` when present.
 
-use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, TENSOR_CORE_HEAD_DIMS};
-use holdfast_hal::{bf16, BackendKind, Buffer, Device, Stream};
+use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, TENSOR_CORE_HEAD_DIMS, WG_HEAD_DIM};
+use holdfast_hal::{bf16, Buffer, Device, Stream};
 
 struct Rng(u64);
 impl Rng {
@@ -154,7 +154,7 @@ fn run(k: &SparseAttention, s: &Stream, b: &Dev, rows: usize, cells: usize, scal
 /// (rows, heads, head_dim, main slots, extra slots, longest main list, longest extra list): one
 /// entry to many 32-entry tiles, head counts that leave a partial head group, every
 /// tensor-core head_dim and one the portable kernel alone serves (192).
-const CASES: [(usize, usize, usize, usize, usize, usize, usize); 9] = [
+const CASES: [(usize, usize, usize, usize, usize, usize, usize); 10] = [
     (1, 1, 64, 40, 10, 16, 8),
     (7, 13, 64, 300, 64, 128, 40),
     (16, 8, 512, 256, 64, 128, 64),
@@ -164,6 +164,7 @@ const CASES: [(usize, usize, usize, usize, usize, usize, usize); 9] = [
     (6, 128, 256, 150, 90, 70, 33),
     (3, 17, 192, 100, 50, 40, 40),
     (2, 64, 512, 64, 64, 31, 1),
+    (3, 128, 512, 400, 300, 200, 150),
 ];
 
 fn attention_matches_its_f64_definition(dev: &Device) {
@@ -174,6 +175,9 @@ fn matches_f64_with(dev: &Device, choice: AttentionKernel) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0x5EED);
     for (rows, heads, d, s_main, s_extra, max_main, max_extra) in CASES {
+        if choice == AttentionKernel::Warpgroup && d != WG_HEAD_DIM {
+            continue;
+        }
         let mut c = case(&mut rng, rows, heads, d, s_main, s_extra, max_main, max_extra);
         if rows > 2 {
             // A row whose every entry is skipped: the sink-only result.
@@ -221,13 +225,33 @@ fn matches_f64_with(dev: &Device, choice: AttentionKernel) {
 /// `new` picks wherever the device and head_dim allow it.
 fn the_portable_kernel_matches_too_and_tensor_cores_are_picked_where_they_fit(dev: &Device) {
     matches_f64_with(dev, AttentionKernel::Portable);
-    let sm = dev.info().arch.strip_prefix("sm_").and_then(|v| v.parse::<u32>().ok()).unwrap_or(0);
     for d in [64usize, 128, 192, 256, 512] {
         let k = SparseAttention::new(dev, 64, d).expect("kernel");
-        let want = dev.backend() == BackendKind::Cuda && sm >= 80 && TENSOR_CORE_HEAD_DIMS.contains(&d);
+        let want = dev.info().has_bf16_mma() && TENSOR_CORE_HEAD_DIMS.contains(&d);
         assert_eq!(k.uses_tensor_cores(), want, "head_dim {d} on {}", dev.info().arch);
         assert!(!SparseAttention::with_kernel(dev, 64, d, AttentionKernel::Portable).expect("k").uses_tensor_cores());
     }
+}
+
+/// The warpgroup kernel meets the same bound at head_dim 512 (8 to 128 heads, lists of one to
+/// many 64-entry tiles, a row whose entries are all skipped), gives a row the same bits alone and
+/// in a padded batch, and replays from a graph like eager. Elsewhere (no warpgroup MMA, other
+/// head sizes) construction is a clear error.
+fn the_warpgroup_kernel_matches_f64_and_is_batch_invariant_where_the_device_has_it(dev: &Device) {
+    let err = SparseAttention::with_kernel(dev, 64, 256, AttentionKernel::Warpgroup).expect_err("head_dim 256");
+    assert!(err.to_string().contains("warpgroup kernel needs"), "{err}");
+    if !dev.info().has_wgmma() {
+        let err = SparseAttention::with_kernel(dev, 64, WG_HEAD_DIM, AttentionKernel::Warpgroup).expect_err("no wgmma");
+        assert!(err.to_string().contains(&dev.info().arch), "{err}");
+        eprintln!("skipped: {} ({}) has no warpgroup MMA; the refusal was checked", dev.info().name, dev.info().arch);
+        return;
+    }
+    assert!(SparseAttention::with_kernel(dev, 64, WG_HEAD_DIM, AttentionKernel::Warpgroup)
+        .expect("wg")
+        .uses_tensor_cores());
+    matches_f64_with(dev, AttentionKernel::Warpgroup);
+    row_alone_vs_batch(dev, 64, WG_HEAD_DIM, 160, 96, AttentionKernel::Warpgroup);
+    replay_like_eager(dev, 64, WG_HEAD_DIM, 200, AttentionKernel::Warpgroup);
 }
 
 fn kv_insert_matches_its_definition(dev: &Device) {
@@ -269,14 +293,21 @@ fn a_row_is_the_same_alone_and_in_a_padded_batch_of_256(dev: &Device) {
     // 16 heads × 128 (short lists) and the model's 64 × 512 (several tiles per row): on a GPU the
     // lone row runs 16 heads per block (16 heads) or 32 heads with three staged tiles (64 heads),
     // and the batch 32 heads with two, so this also pins the head grouping and the pipeline depth.
-    row_alone_vs_batch(dev, 16, 128, 128, 32);
-    row_alone_vs_batch(dev, 64, 512, 160, 96);
+    row_alone_vs_batch(dev, 16, 128, 128, 32, AttentionKernel::Auto);
+    row_alone_vs_batch(dev, 64, 512, 160, 96, AttentionKernel::Auto);
 }
 
-fn row_alone_vs_batch(dev: &Device, heads: usize, d: usize, max_main: usize, max_extra: usize) {
+fn row_alone_vs_batch(
+    dev: &Device,
+    heads: usize,
+    d: usize,
+    max_main: usize,
+    max_extra: usize,
+    kernel: AttentionKernel,
+) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(99);
-    let k = SparseAttention::new(dev, heads, d).expect("kernel");
+    let k = SparseAttention::with_kernel(dev, heads, d, kernel).expect("kernel");
     let big = case(&mut rng, 256, heads, d, 512, 64, max_main, max_extra);
     let mut padded = case(&mut rng, 0, heads, d, 0, 0, 0, 0);
     padded.rows = 260;
@@ -317,10 +348,16 @@ type StepBuffers =
     (Buffer<bf16>, Buffer<bf16>, Buffer<i32>, Buffer<bf16>, Buffer<i32>, Buffer<i32>, Buffer<f32>, Buffer<bf16>);
 
 fn a_captured_decode_step_replays_a_growing_sequence_like_eager(dev: &Device) {
+    replay_like_eager(dev, 8, 64, 16, AttentionKernel::Auto);
+}
+
+/// A decode step (insert, then attend over a sliding window of `window` slots) captured once and
+/// replayed for 100 steps of a growing sequence equals eager bit for bit.
+fn replay_like_eager(dev: &Device, heads: usize, d: usize, window: usize, kernel: AttentionKernel) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(4242);
-    let (heads, d, window, slots) = (8usize, 64usize, 16usize, 128usize);
-    let k = SparseAttention::new(dev, heads, d).expect("kernel");
+    let slots = 2 * window.max(64);
+    let k = SparseAttention::with_kernel(dev, heads, d, kernel).expect("kernel");
     let mk = |tag: &str| {
         (
             dev.alloc_zeroed::<bf16>(&format!("{tag}.q"), heads * d, true).expect("q"),
@@ -387,6 +424,7 @@ holdfast_hal::device_suite!(
     a_row_is_the_same_alone_and_in_a_padded_batch_of_256,
     a_captured_decode_step_replays_a_growing_sequence_like_eager,
     unsupported_shapes_are_errors_at_construction,
+    the_warpgroup_kernel_matches_f64_and_is_batch_invariant_where_the_device_has_it,
 );
 
 #[cfg(feature = "cuda")]
@@ -424,4 +462,32 @@ fn the_tensor_core_entries_use_mma_and_do_not_spill() {
         assert!(e.contains("ldmatrix.sync.aligned.m8n8.x4.trans"), "{name} lacks the transposed V loads");
         assert!(!e.contains(".local"), "{name} uses local memory");
     }
+}
+
+/// The warpgroup entry compiles for sm_90a to warpgroup MMA (Q·Kᵀ with K-major B, P·V with
+/// N-major B) with cp.async staging and no local memory in its PTX; for plain sm_90 it is an empty
+/// stub the launcher never picks.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_warpgroup_entry_uses_wgmma_on_sm_90a() {
+    use holdfast_hal::cuda;
+    if let Some(reason) = cuda::nvrtc_unavailable_reason() {
+        assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here: {reason}");
+        eprintln!("skipped: NVRTC is not available ({reason})");
+        return;
+    }
+    let entry = |arch: &str| {
+        let (_, ptx) = cuda::compile(holdfast_attention::sparse_attention_source(), arch, 32).expect("compiles");
+        let ptx = String::from_utf8_lossy(&ptx).into_owned();
+        let e =
+            ptx.split(".entry ").find(|e| e.starts_with("hf_sparse_attn_wg64_d512_bf16")).expect("entry").to_string();
+        e
+    };
+    let e = entry("sm_90a");
+    assert!(e.contains("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"), "lacks the Q·Kᵀ wgmma");
+    assert!(e.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"), "lacks the P·V wgmma");
+    assert!(e.contains("fence.proxy.async.shared::cta"), "lacks the proxy fence");
+    assert!(e.contains("cp.async.cg.shared.global"), "lacks cp.async staging");
+    assert!(!e.contains(".local"), "uses local memory");
+    assert!(!entry("sm_90").contains("wgmma"), "sm_90 has no warpgroup MMA");
 }
