@@ -1,15 +1,17 @@
 //! Ragged sparse attention at decode (head_dim 512, MQA latent V = K, attention sink): the SWA
 //! window of 128 plus the compressed entries of a 64K context (512: c128a, or c4a top-512) and of
-//! a 1M context (8192: c128a), 64 heads (V4-Flash), batch 1, 8, 64, 256.
+//! a 1M context (8192: c128a), 64 heads (V4-Flash) and 128 heads (V4-Pro), batch 1, 8, 64, 256.
 //!
 //! Bytes per call, counted here (the kernel does not report them): every KV row each query row
 //! lists, read once (`rows × entries × head_dim × 2`; each row reads its own distinct slots, so
 //! these bytes are really moved), the queries and outputs (`rows × heads × head_dim × 2` each),
 //! the slot lists (`rows × entries × 4`) and the two indptr arrays.
 //!
-//! [`attend_case`] is the only place that calls the kernel's API.
+//! Each shape is timed with the kernel [`SparseAttention::new`] picks and, on a device with
+//! warpgroup MMA at head_dim 512, also with [`AttentionKernel::Warpgroup`] (case suffix ` wg`), side
+//! by side on the same inputs. [`attend_case`] is the only place that calls the kernel's API.
 
-use holdfast_attention::{RaggedKv, SparseAttention};
+use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, WG_HEAD_DIM};
 use holdfast_hal::bf16;
 
 use crate::ctx::{Ctx, Scale};
@@ -60,9 +62,11 @@ pub fn shapes(scale: Scale) -> Vec<AttnShape> {
     let mut v = Vec::new();
     match scale {
         Scale::Full => {
-            for extra in [512usize, 8192] {
-                for batch in [1usize, 8, 64, 256] {
-                    v.push(AttnShape { heads: 64, head_dim: 512, window: 128, extra, batch });
+            for heads in [64usize, 128] {
+                for extra in [512usize, 8192] {
+                    for batch in [1usize, 8, 64, 256] {
+                        v.push(AttnShape { heads, head_dim: 512, window: 128, extra, batch });
+                    }
                 }
             }
         }
@@ -78,21 +82,31 @@ pub fn shapes(scale: Scale) -> Vec<AttnShape> {
 /// Runs the section.
 pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
+    let warpgroup = ctx.dev.info().has_wgmma();
     for shape in shapes(ctx.scale) {
-        let mut row =
-            attend_case(ctx, shape)?.with_bytes(shape.bytes()).with_flops(shape.flops()).with_bound(Bound::Copy);
-        if shape.batch >= 64 {
-            row = row.with_target(Target::FractionAtLeast(BANDWIDTH_TARGET));
+        let mut kernels = vec![AttentionKernel::Auto];
+        if warpgroup && shape.head_dim == WG_HEAD_DIM {
+            kernels.push(AttentionKernel::Warpgroup);
         }
-        rows.push(row);
+        for kernel in kernels {
+            let mut row = attend_case(ctx, shape, kernel)?
+                .with_bytes(shape.bytes())
+                .with_flops(shape.flops())
+                .with_bound(Bound::Copy);
+            if shape.batch >= 64 {
+                row = row.with_target(Target::FractionAtLeast(BANDWIDTH_TARGET));
+            }
+            rows.push(row);
+        }
     }
     Ok(rows)
 }
 
-/// Builds the inputs of one shape and times `SparseAttention::attend` on them.
-pub fn attend_case(ctx: &Ctx, sh: AttnShape) -> Result<Row> {
+/// Builds the inputs of one shape and times `SparseAttention::attend` with `kernel` on them (the
+/// case name gains ` wg` for [`AttentionKernel::Warpgroup`]).
+pub fn attend_case(ctx: &Ctx, sh: AttnShape, kernel: AttentionKernel) -> Result<Row> {
     let AttnShape { heads, head_dim: d, window, extra, batch } = sh;
-    let k = SparseAttention::new(&ctx.dev, heads, d)?;
+    let k = SparseAttention::with_kernel(&ctx.dev, heads, d, kernel)?;
     let per_row = window + extra;
     let slots = (batch * per_row).max(1);
     // Filled on the device (every element 0x3c3c ≈ 0.0115): the values do not change the work,
@@ -117,5 +131,9 @@ pub fn attend_case(ctx: &Ctx, sh: AttnShape) -> Result<Row> {
     let ex = RaggedKv { cache: &cv, indices: &eiv, indptr: &epv };
     let scale = 1.0 / (d as f32).sqrt();
     let s = &ctx.s;
-    ctx.kernel_row(SECTION, sh.case(), &mut || Ok(k.attend(s, &qv, &main, Some(&ex), &sv, &ov, scale)?))
+    let case = match kernel {
+        AttentionKernel::Warpgroup => format!("{} wg", sh.case()),
+        _ => sh.case(),
+    };
+    ctx.kernel_row(SECTION, case, &mut || Ok(k.attend(s, &qv, &main, Some(&ex), &sv, &ov, scale)?))
 }
