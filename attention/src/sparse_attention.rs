@@ -8,7 +8,7 @@
 //! `m' = max(m, sink_h)`, `l' = l·e^{m−m'} + e^{sink_h−m'}`, `out = acc·e^{m−m'} / l'`, so a row
 //! with no entries yields zeros, never NaN.
 //!
-//! Two device kernels compute this ([`AttentionKernel`]):
+//! Three device kernels compute this ([`AttentionKernel`]):
 //! - **tensor cores** (CUDA, sm_80 and newer, `head_dim` 64, 128, 256 or 512): one block per
 //!   (row, group of 16 or 32 heads), `8 × heads-per-block` threads. The row's entries stream
 //!   through shared memory in tiles of 32 (`cp.async`, two tiles staged, about 85 KiB of shared
@@ -22,6 +22,15 @@
 //!   multiprocessors once, then 32 heads and two stages; 16 heads for up to 16 heads while their
 //!   grid would not fill the device); every output element's arithmetic depends on its own row
 //!   and head only, and the pipeline depth changes no arithmetic, so the choice changes no bit.
+//! - **warpgroup** (opt-in, [`AttentionKernel::Warpgroup`]; `sm_90a`, `head_dim` 512): one block
+//!   per (row, group of 64 heads), two warpgroups. Q sits in shared memory for the whole row; the
+//!   entries stream through two `cp.async`-staged tiles of 64 (their slots fetched a tile ahead);
+//!   `q·kᵀ` runs as `wgmma` m64n32k16 (each warpgroup 32 of the tile's entries) and `p·v` as
+//!   `wgmma` m64n256k16 (each warpgroup half of `head_dim`), f32 accumulation, `p` rounded to
+//!   bf16 as above; the two warpgroups share the running maximum and add their running sums at
+//!   the end. 205 824 bytes of shared memory, one block per multiprocessor. Its summation order
+//!   differs from the `mma.sync` kernel's, so the two agree within the bf16 bound, not bit for bit;
+//!   each is batch-invariant on its own.
 //! - **portable** (any device, `head_dim` a multiple of the warp width up to 16 × warp): one block
 //!   per (row, group of 8 heads), `4 × warp` threads, one entry at a time through `D × 4` bytes of
 //!   shared memory, CUDA-core f32 arithmetic in exactly the CPU reference's order.
