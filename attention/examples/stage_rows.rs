@@ -26,17 +26,18 @@ __device__ __forceinline__ void bulk(uint32_t dst, const void* src, uint32_t byt
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory"); }
 
-// mode 0: cp.async, `ahead` tiles in flight; mode 1: cp.async.bulk (one per row), `ahead` in flight.
+// mode 0: cp.async, mode 1: cp.async.bulk (one per row); `ahead` (1 or 2) tiles in flight, in `ahead + 1`
+// buffers of 64 padded rows (three fill 200 KiB of shared memory).
 HF_KERNEL void stage(const hf_bf16* cache, const int32_t* idx, const int32_t* indptr, float* out, uint32_t T,
                      uint32_t mode, uint32_t ahead) {
     extern __shared__ __align__(128) unsigned char sm[];
-    __shared__ __align__(8) uint64_t bars[4];
+    __shared__ __align__(8) uint64_t bars[3];
     const uint32_t t = blockIdx.x, tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
     if (t >= T) return;
     const int32_t b0 = indptr[t];
     const uint32_t ntiles = (uint32_t)(indptr[t + 1] - b0) / NT;
     const uint32_t base = hf_smem_addr(sm), bar0 = hf_smem_addr(&bars[0]);
-    if (tid < 4u) bar_init(bar0 + tid * 8u);
+    if (tid < 3u) bar_init(bar0 + tid * 8u);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     __syncthreads();
     const uint32_t nbuf = ahead + 1u;
@@ -69,7 +70,7 @@ HF_KERNEL void stage(const hf_bf16* cache, const int32_t* idx, const int32_t* in
         const uint32_t buf = tile % nbuf;
         if (mode == 1u) bar_wait(bar0 + buf * 8u, (tile / nbuf) & 1u);
         else {
-            if (ahead >= 3u) hf_cp_async_wait<3>(); else if (ahead == 2u) hf_cp_async_wait<2>(); else hf_cp_async_wait<1>();
+            if (ahead == 2u) hf_cp_async_wait<2>(); else hf_cp_async_wait<1>();
         }
         __syncthreads();
         acc += hf_bf16_to_f32(*(const hf_bf16*)(sm + buf * TILEB + (tid & 63u) * ROWB + (tid >> 6) * 2u));
