@@ -449,7 +449,9 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const uint32_t qs_a = hf_smem_addr(hf_smem), ks_a = qs_a + QB, ps_a = ks_a + 2u * TB;
     unsigned char* ps = hf_smem + QB + 2u * TB;
 
-    const uint32_t tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3u, lane = tid & 31u;
+    // The warpgroup index through a shuffle, so the compiler sees it uniform across the warp and
+    // keeps the operand descriptors in uniform registers.
+    const uint32_t tid = threadIdx.x, wg = hf_shfl(tid >> 7, 0), warp = (tid >> 5) & 3u, lane = tid & 31u;
     const uint32_t g = lane >> 2, c = lane & 3u;
     const uint32_t r0 = warp * 16u + g, r1 = r0 + 8u;  // this thread's two heads (block rows)
     const float NEG_INF = __int_as_float(0xff800000);
@@ -475,24 +477,26 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
 #pragma unroll
         for (uint32_t e8 = 0; e8 < NT / 8u; ++e8) {
             const uint32_t j = tile * NT + e8 * 8u + (tid & 7u);
-            sl[e8] = j < nm ? main_idx[mb + (int32_t)j] : j < n ? extra_idx[eb + (int32_t)(j - nm)] : -1;
+            const int32_t* at = j < nm ? main_idx + mb + (int32_t)j : extra_idx + eb + (int32_t)(j - nm);
+            sl[e8] = j < n ? *at : -1;
         }
     };
     // Tile `tile` into buffer `b` from its fetched slots (invalid or missing entries are zero rows
     // with vld 0); commits.
+    const uint32_t piece0 = (tid >> 3) % PIECES;
     auto stage = [&](uint32_t tile, uint32_t b, const int32_t* sl) {
+        const uint32_t dst = ks_a + b * TB + tid * 16u;
 #pragma unroll
         for (uint32_t e8 = 0; e8 < NT / 8u; ++e8) {
             const uint32_t e = e8 * 8u + (tid & 7u), j = tile * NT + e;
             const bool in_main = j < nm;
             const int32_t slot = sl[e8];
             const uint32_t ok = (j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra)) ? 1u : 0u;
-            const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D : 0u);
-#pragma unroll
-            for (uint32_t h2 = 0; h2 < 2u; ++h2) {
-                const uint32_t p = (e8 * 2u + h2) * NTH + tid, piece = (p >> 3) % PIECES;
-                hf_cp_async16(ks_a + b * TB + p * 16u, src + (ok ? piece * 8u : 0u), ok ? 16u : 0u);
-            }
+            const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D + piece0 * 8u : 0u);
+            const uint32_t bytes = ok ? 16u : 0u;
+            // Piece p = (2·e8 + h2)·NTH + tid is piece (tid / 8) + 32·h2 of its row.
+            hf_cp_async16(dst + (e8 * 2u) * NTH * 16u, src, bytes);
+            hf_cp_async16(dst + (e8 * 2u + 1u) * NTH * 16u, src + (ok ? 32u * 8u : 0u), bytes);
             if ((tid >> 3) == 0u) vld[b * NT + e] = (int32_t)ok;
         }
         hf_cp_async_commit();
@@ -507,6 +511,10 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
 #pragma unroll
     for (uint32_t i = 0; i < D / 4u; ++i) o[i] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    // Operand descriptors at k-step 0 of buffer 0: Q, this warpgroup's 32 entries of K, P, and
+    // this warpgroup's half of V (the K tile read N-major).
+    const uint64_t dq0 = hf_wgmma_desc(qs_a, 128u, ROWB), dk0 = hf_wgmma_desc(ks_a + wg * 4u * ROWB, 128u, ROWB);
+    const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u), dv0 = hf_wgmma_desc(ks_a + wg * (D / 16u) * 128u, ROWB, 128u);
 
     for (uint32_t tile = 0; tile < ntiles; ++tile) {
         const uint32_t b = tile & 1u;
@@ -517,14 +525,12 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         if (tile + 2u < ntiles) fetch(tile + 2u, sl);  // lands while this tile computes
 
         // (1) S = Q · K^T for this warpgroup's 32 entries.
+        // Descriptors advance by their start address (bytes / 16): 256 bytes per k-step.
         float s[16];
+        const uint64_t dk = dk0 + (uint64_t)(b * (TB >> 4));
         hf_wgmma_fence();
 #pragma unroll
-        for (uint32_t ks = 0; ks < D / 16u; ++ks) {
-            const uint64_t da = hf_wgmma_desc(qs_a + ks * 256u, 128u, ROWB);
-            const uint64_t db = hf_wgmma_desc(ks_a + b * TB + wg * 4u * ROWB + ks * 256u, 128u, ROWB);
-            hf_wgmma_m64n32k16(s, da, db, ks > 0u ? 1u : 0u);
-        }
+        for (uint32_t ks = 0; ks < D / 16u; ++ks) hf_wgmma_m64n32k16(s, dq0 + ks * 16u, dk + ks * 16u, ks > 0u ? 1u : 0u);
         hf_wgmma_commit();
         hf_wgmma_wait<0>();
 
@@ -553,16 +559,16 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         __syncthreads();
         const float n0 = fmaxf(m0, fmaxf(red[r0], red[HB + r0]));
         const float n1 = fmaxf(m1, fmaxf(red[r1], red[HB + r1]));
-        const float corr0 = m0 == NEG_INF ? 0.0f : expf(m0 - n0);
-        const float corr1 = m1 == NEG_INF ? 0.0f : expf(m1 - n1);
+        // With a finite reference (0 while nothing is valid yet), e^(-inf - ref) = 0 covers the
+        // masked entries and the empty start without branches.
+        const float f0 = n0 == NEG_INF ? 0.0f : n0, f1 = n1 == NEG_INF ? 0.0f : n1;
+        const float corr0 = expf(m0 - f0), corr1 = expf(m1 - f1);
         float rs0 = 0.0f, rs1 = 0.0f;
 #pragma unroll
         for (uint32_t j = 0; j < 4u; ++j) {
             const uint32_t e = wg * 32u + j * 8u + 2u * c;
-            const float a0 = s[j * 4u] == NEG_INF ? 0.0f : expf(s[j * 4u] - n0);
-            const float a1 = s[j * 4u + 1u] == NEG_INF ? 0.0f : expf(s[j * 4u + 1u] - n0);
-            const float b0 = s[j * 4u + 2u] == NEG_INF ? 0.0f : expf(s[j * 4u + 2u] - n1);
-            const float b1 = s[j * 4u + 3u] == NEG_INF ? 0.0f : expf(s[j * 4u + 3u] - n1);
+            const float a0 = expf(s[j * 4u] - f0), a1 = expf(s[j * 4u + 1u] - f0);
+            const float b0 = expf(s[j * 4u + 2u] - f1), b1 = expf(s[j * 4u + 3u] - f1);
             const hf_bf16 qa0 = hf_f32_to_bf16(a0), qa1 = hf_f32_to_bf16(a1);
             const hf_bf16 qb0 = hf_f32_to_bf16(b0), qb1 = hf_f32_to_bf16(b1);
             rs0 += hf_bf16_to_f32(qa0);
@@ -580,19 +586,21 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         l1 = l1 * corr1 + rs1;
         m0 = n0;
         m1 = n1;
+        // O·corr, skipped by warps whose every corr is 1 (the maximum did not move): multiplying by 1
+        // changes no bit, so the skip changes none either.
+        if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
 #pragma unroll
-        for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
+            for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
+        }
         hf_fence_proxy_async();
         __syncthreads();  // P of both warpgroups complete
 
         // (3) O[:, 256·wg ..] += P · V (V = the K tile, N-major).
+        const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4));
         hf_wgmma_fence();
 #pragma unroll
-        for (uint32_t kk = 0; kk < NT / 16u; ++kk) {
-            const uint64_t da = hf_wgmma_desc(ps_a + kk * 256u, 128u, NT * 16u);
-            const uint64_t db = hf_wgmma_desc(ks_a + b * TB + kk * 2u * ROWB + wg * (D / 16u) * 128u, ROWB, 128u);
-            hf_wgmma_m64n256k16_tb(o, da, db, 1u);
-        }
+        for (uint32_t kk = 0; kk < NT / 16u; ++kk)
+            hf_wgmma_m64n256k16_tb(o, dp0 + kk * 16u, dv + kk * ((2u * ROWB) >> 4), 1u);
         hf_wgmma_commit();
         hf_wgmma_wait<0>();
     }
