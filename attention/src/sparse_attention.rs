@@ -27,8 +27,9 @@
 //!   entries stream through two `cp.async`-staged tiles of 64 (their slots fetched a tile ahead);
 //!   `q·kᵀ` runs as `wgmma` m64n32k16 (each warpgroup 32 of the tile's entries) and `p·v` as
 //!   `wgmma` m64n256k16 (each warpgroup half of `head_dim`), f32 accumulation, `p` rounded to
-//!   bf16 as above; the two warpgroups share the running maximum and add their running sums at
-//!   the end. 205 824 bytes of shared memory, one block per multiprocessor. Its summation order
+//!   bf16 as above, the scores kept in base 2 (`s·scale·log2 e`) and exponentiated by the
+//!   multi-function unit's `2^x` (relative error below 2⁻²²); the two warpgroups share the
+//!   running maximum and add their running sums at the end. 205 824 bytes of shared memory, one block per multiprocessor. Its summation order
 //!   differs from the `mma.sync` kernel's, so the two agree within the bf16 bound, not bit for bit;
 //!   each is batch-invariant on its own.
 //! - **portable** (any device, `head_dim` a multiple of the warp width up to 16 × warp): one block
@@ -426,6 +427,14 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 __device__ __forceinline__ uint32_t hf_wg_off(uint32_t r, uint32_t k, uint32_t K) {
     return (r >> 3) * (K * 16u) + (k >> 3) * 128u + (r & 7u) * 16u + (k & 7u) * 2u;
 }
+// 2^x on the multi-function unit (relative error below 2^-22; 2^-inf = 0). The kernel keeps its
+// scores in base 2: e^(s·scale) = 2^(s·scale·log2 e).
+#define HF_WG_LOG2E 1.4426950408889634f
+__device__ __forceinline__ float hf_wg_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
 
 __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q, const hf_bf16* __restrict__ main_cache,
                                                   const int32_t* __restrict__ main_idx,
@@ -444,8 +453,8 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const uint32_t groups = (H + HB - 1u) / HB;
     const uint32_t t = blockIdx.x / groups, hbase = (blockIdx.x % groups) * HB;
     if (t >= T) return;
-    int32_t* vld = (int32_t*)(hf_smem + QB + 2u * TB + PB);  // [2][NT]
-    float* red = (float*)(vld + 2u * NT);                    // [2][HB]
+    float* bias = (float*)(hf_smem + QB + 2u * TB + PB);  // [2][NT]: 0, or -inf for a skipped entry
+    float* red = bias + 2u * NT;                           // [2][HB]
     const uint32_t qs_a = hf_smem_addr(hf_smem), ks_a = qs_a + QB, ps_a = ks_a + 2u * TB;
     unsigned char* ps = hf_smem + QB + 2u * TB;
 
@@ -462,8 +471,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const uint32_t n = nm + ne, ntiles = (n + NT - 1u) / NT;
 
     // Piece p = i·NTH + tid of a [rows x D] tile lands at byte 16p of the K-major layout: row
-    // 8·(p / D) + p % 8, pieces (p / 8) % (D / 8). Each thread moves two pieces of eight rows.
-    // Q (heads past H are zero rows):
+    // 8·(p / D) + p % 8, pieces (p / 8) % (D / 8). Q (heads past H are zero rows):
 #pragma unroll
     for (uint32_t i = 0; i < HB * PIECES / NTH; ++i) {
         const uint32_t p = i * NTH + tid, r = (p / D) * 8u + (p & 7u), piece = (p >> 3) % PIECES;
@@ -471,46 +479,40 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         const bool ok = h < H;
         hf_cp_async16(qs_a + p * 16u, q + (ok ? ((uint64_t)t * H + h) * D + piece * 8u : 0u), ok ? 16u : 0u);
     }
-    // The slots of the eight entries of tile `tile` this thread stages (-1 past the list): plain
-    // loads, all in flight at once, fetched a tile ahead so staging never waits on them.
-    auto fetch = [&](uint32_t tile, int32_t* sl) {
-#pragma unroll
-        for (uint32_t e8 = 0; e8 < NT / 8u; ++e8) {
-            const uint32_t j = tile * NT + e8 * 8u + (tid & 7u);
-            const int32_t* at = j < nm ? main_idx + mb + (int32_t)j : extra_idx + eb + (int32_t)(j - nm);
-            sl[e8] = j < n ? *at : -1;
-        }
+    // Four threads stage each entry of a tile: thread t takes entry t / 4 and its 16-byte pieces
+    // t % 4, t % 4 + 4, .. (a warp's copy covers 8 entries x 64 bytes, and lands as 512 contiguous
+    // bytes of the core-matrix layout). The slot of a thread's entry (-1 past the list) is a
+    // plain load fetched a tile ahead, so staging never waits on it.
+    const uint32_t se = tid >> 2, sub = tid & 3u;
+    auto fetch = [&](uint32_t tile) -> int32_t {
+        const uint32_t j = tile * NT + se;
+        const int32_t* at = j < nm ? main_idx + mb + (int32_t)j : extra_idx + eb + (int32_t)(j - nm);
+        return j < n ? *at : -1;
     };
-    // Tile `tile` into buffer `b` from its fetched slots (invalid or missing entries are zero rows
-    // with vld 0); commits.
-    const uint32_t piece0 = (tid >> 3) % PIECES;
-    auto stage = [&](uint32_t tile, uint32_t b, const int32_t* sl) {
-        const uint32_t dst = ks_a + b * TB + tid * 16u;
+    // Tile `tile` into buffer `b` from the fetched slot (an invalid or missing entry is a zero row
+    // with bias -inf); commits.
+    const uint32_t sdst = (se >> 3) * ROWB + (se & 7u) * 16u + sub * 128u;
+    auto stage = [&](uint32_t tile, uint32_t b, int32_t slot) {
+        const uint32_t j = tile * NT + se;
+        const bool in_main = j < nm;
+        const bool ok = j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra);
+        const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D + sub * 8u : 0u);
+        const uint32_t dst = ks_a + b * TB + sdst, bytes = ok ? 16u : 0u, step = ok ? 32u : 0u;
 #pragma unroll
-        for (uint32_t e8 = 0; e8 < NT / 8u; ++e8) {
-            const uint32_t e = e8 * 8u + (tid & 7u), j = tile * NT + e;
-            const bool in_main = j < nm;
-            const int32_t slot = sl[e8];
-            const uint32_t ok = (j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra)) ? 1u : 0u;
-            const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D + piece0 * 8u : 0u);
-            const uint32_t bytes = ok ? 16u : 0u;
-            // Piece p = (2·e8 + h2)·NTH + tid is piece (tid / 8) + 32·h2 of its row.
-            hf_cp_async16(dst + (e8 * 2u) * NTH * 16u, src, bytes);
-            hf_cp_async16(dst + (e8 * 2u + 1u) * NTH * 16u, src + (ok ? 32u * 8u : 0u), bytes);
-            if ((tid >> 3) == 0u) vld[b * NT + e] = (int32_t)ok;
-        }
+        for (uint32_t k = 0; k < PIECES / 4u; ++k) hf_cp_async16(dst + k * 512u, src + k * step, bytes);
+        if (sub == 0u) bias[b * NT + se] = ok ? 0.0f : NEG_INF;
         hf_cp_async_commit();
     };
-    int32_t sl[NT / 8u];
-    fetch(0u, sl);
+    int32_t sl = fetch(0u);
     if (ntiles > 0u) stage(0u, 0u, sl);
     else hf_cp_async_commit();
-    if (ntiles > 1u) fetch(1u, sl);
+    if (ntiles > 1u) sl = fetch(1u);
 
     float o[D / 2u / 2u];  // 64 x 256 f32 accumulators of this warpgroup's half of head_dim
 #pragma unroll
     for (uint32_t i = 0; i < D / 4u; ++i) o[i] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    const float scale2 = scale * HF_WG_LOG2E;
     // Operand descriptors at k-step 0 of buffer 0: Q, this warpgroup's 32 entries of K, P, and
     // this warpgroup's half of V (the K tile read N-major).
     const uint64_t dq0 = hf_wgmma_desc(qs_a, 128u, ROWB), dk0 = hf_wgmma_desc(ks_a + wg * 4u * ROWB, 128u, ROWB);
@@ -522,7 +524,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         hf_fence_proxy_async();
         __syncthreads();  // tile `tile` (and Q) visible; everyone done with buffer b ^ 1 and P
         if (tile + 1u < ntiles) stage(tile + 1u, b ^ 1u, sl);
-        if (tile + 2u < ntiles) fetch(tile + 2u, sl);  // lands while this tile computes
+        if (tile + 2u < ntiles) sl = fetch(tile + 2u);  // lands while this tile computes
 
         // (1) S = Q · K^T for this warpgroup's 32 entries.
         // Descriptors advance by their start address (bytes / 16): 256 bytes per k-step.
@@ -534,16 +536,18 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         hf_wgmma_commit();
         hf_wgmma_wait<0>();
 
-        // (2) masked, scaled scores; row maxima over both warpgroups; P in bf16.
-        const int32_t* vb = vld + b * NT + wg * 32u;
+        // (2) masked, scaled scores in base 2 (s·scale·log2 e + bias); row maxima over both
+        // warpgroups; P in bf16.
+        const float* vb = bias + b * NT + wg * 32u;
         float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
         for (uint32_t j = 0; j < 4u; ++j) {
+            const float2 bb = *(const float2*)(vb + j * 8u + 2u * c);
 #pragma unroll
             for (uint32_t u = 0; u < 2u; ++u) {
-                const bool ok = vb[j * 8u + 2u * c + u] != 0;
-                s[j * 4u + u] = ok ? s[j * 4u + u] * scale : NEG_INF;
-                s[j * 4u + 2u + u] = ok ? s[j * 4u + 2u + u] * scale : NEG_INF;
+                const float bu = u ? bb.y : bb.x;
+                s[j * 4u + u] = fmaf(s[j * 4u + u], scale2, bu);
+                s[j * 4u + 2u + u] = fmaf(s[j * 4u + 2u + u], scale2, bu);
                 mx0 = fmaxf(mx0, s[j * 4u + u]);
                 mx1 = fmaxf(mx1, s[j * 4u + 2u + u]);
             }
@@ -562,13 +566,13 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         // With a finite reference (0 while nothing is valid yet), e^(-inf - ref) = 0 covers the
         // masked entries and the empty start without branches.
         const float f0 = n0 == NEG_INF ? 0.0f : n0, f1 = n1 == NEG_INF ? 0.0f : n1;
-        const float corr0 = expf(m0 - f0), corr1 = expf(m1 - f1);
+        const float corr0 = hf_wg_exp2(m0 - f0), corr1 = hf_wg_exp2(m1 - f1);
         float rs0 = 0.0f, rs1 = 0.0f;
 #pragma unroll
         for (uint32_t j = 0; j < 4u; ++j) {
             const uint32_t e = wg * 32u + j * 8u + 2u * c;
-            const float a0 = expf(s[j * 4u] - f0), a1 = expf(s[j * 4u + 1u] - f0);
-            const float b0 = expf(s[j * 4u + 2u] - f1), b1 = expf(s[j * 4u + 3u] - f1);
+            const float a0 = hf_wg_exp2(s[j * 4u] - f0), a1 = hf_wg_exp2(s[j * 4u + 1u] - f0);
+            const float b0 = hf_wg_exp2(s[j * 4u + 2u] - f1), b1 = hf_wg_exp2(s[j * 4u + 3u] - f1);
             const hf_bf16 qa0 = hf_f32_to_bf16(a0), qa1 = hf_f32_to_bf16(a1);
             const hf_bf16 qb0 = hf_f32_to_bf16(b0), qb1 = hf_f32_to_bf16(b1);
             rs0 += hf_bf16_to_f32(qa0);
@@ -617,10 +621,10 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     for (uint32_t half = 0; half < 2u; ++half) {
         const uint32_t hr = half ? r1 : r0, h = hbase + hr;
         if (h >= H) continue;
-        const float m = half ? m1 : m0, sk = sink[h];
+        const float m = half ? m1 : m0, sk = sink[h] * HF_WG_LOG2E;
         const float mn = fmaxf(m, sk);
-        const float corr = m == NEG_INF ? 0.0f : expf(m - mn);
-        const float lp = (red[hr] + red[HB + hr]) * corr + expf(sk - mn);
+        const float corr = m == NEG_INF ? 0.0f : hf_wg_exp2(m - mn);
+        const float lp = (red[hr] + red[HB + hr]) * corr + hf_wg_exp2(sk - mn);
         const float f = lp > 0.0f ? corr / fmaxf(lp, 1e-30f) : 0.0f;
         uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + wg * (D / 2u) + 2u * c);
 #pragma unroll
