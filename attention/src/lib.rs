@@ -69,6 +69,6 @@ pub use layer::LayerKind;
 pub use source::C4A_THREADS;
 pub use sparse_attention::{
     source as sparse_attention_source, AttentionKernel, RaggedKv, SparseAttention, HEADS_PER_BLOCK,
-    MAX_CHUNKS_PER_LANE, TENSOR_CORE_HEAD_DIMS, WG_HEAD_DIM,
+    MAX_CHUNKS_PER_LANE, TENSOR_CORE_HEAD_DIMS, WG_DEFAULT_SPLIT, WG_HEAD_DIM, WG_SPLITS,
 };
 pub use swa::{SwaBuilder, SwaDecode, SwaMetadata, SwaPrefill};

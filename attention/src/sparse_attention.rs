@@ -22,16 +22,22 @@
 //!   multiprocessors once, then 32 heads and two stages; 16 heads for up to 16 heads while their
 //!   grid would not fill the device); every output element's arithmetic depends on its own row
 //!   and head only, and the pipeline depth changes no arithmetic, so the choice changes no bit.
-//! - **warpgroup** (opt-in, [`AttentionKernel::Warpgroup`]; `sm_90a`, `head_dim` 512): one block
-//!   per (row, group of 64 heads), two warpgroups. Q sits in shared memory for the whole row; the
+//! - **warpgroup** ([`AttentionKernel::Warpgroup`], and what [`AttentionKernel::Auto`] picks on
+//!   `sm_90a` at `head_dim` 512 with 64 heads or more): each (row, group of 64 heads) goes to a
+//!   cluster of [`WG_DEFAULT_SPLIT`] blocks ([`SparseAttention::with_warpgroup_split`]) of two
+//!   warpgroups; block `r` of the cluster takes the row's 64-entry tiles `r, r + split, ..`, and
+//!   the cluster combines the blocks' maxima, running sums and f32 partial outputs in block order
+//!   through distributed shared memory (each block finishes `64 / split` heads). Q sits in shared
+//!   memory for the whole row; the
 //!   entries stream through two `cp.async`-staged tiles of 64 (their slots fetched a tile ahead);
 //!   `q·kᵀ` runs as `wgmma` m64n32k16 (each warpgroup 32 of the tile's entries) and `p·v` as
 //!   `wgmma` m64n256k16 (each warpgroup half of `head_dim`), f32 accumulation, `p` rounded to
 //!   bf16 as above, the scores kept in base 2 (`s·scale·log2 e`) and exponentiated by the
 //!   multi-function unit's `2^x` (relative error below 2⁻²²); the two warpgroups share the
-//!   running maximum and add their running sums at the end. 205 824 bytes of shared memory, one block per multiprocessor. Its summation order
-//!   differs from the `mma.sync` kernel's, so the two agree within the bf16 bound, not bit for bit;
-//!   each is batch-invariant on its own.
+//!   running maximum and add their running sums at the end. 205 824 bytes of shared memory, one
+//!   block per multiprocessor. Its summation order differs from the `mma.sync` kernel's (and
+//!   with the split), so they agree within the bf16 bound, not bit for bit; each kernel at a
+//!   given split is batch-invariant on its own.
 //! - **portable** (any device, `head_dim` a multiple of the warp width up to 16 × warp): one block
 //!   per (row, group of 8 heads), `4 × warp` threads, one entry at a time through `D × 4` bytes of
 //!   shared memory, CUDA-core f32 arithmetic in exactly the CPU reference's order.
@@ -407,7 +413,8 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 
 // ---- Warpgroup path (sm_90a, HF_HAS_WGMMA): head_dim 512, 64 heads per block ----
 //
-// One block per (row, group of 64 heads), two warpgroups (256 threads). Q of the 64 heads sits in
+// One cluster of blocks per (row, group of 64 heads) (block r of a cluster of ns takes the row's
+// tiles r, r + ns, ..), two warpgroups (256 threads) per block. Q of the 64 heads sits in
 // shared memory for the whole row; the row's entries (main, then extra) stream through two
 // cp.async-staged tiles of 64 entries. All operands use the no-swizzle layout of 8 x 8 core
 // matrices (hf_wg_off). Per tile: (1) warpgroup w scores the tile's entries 32w..32w+31 against
@@ -419,6 +426,7 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 // output element's arithmetic depends on its own row and head only.
 #define HF_WG_HEADS 64
 #define HF_WG_NT 64
+#define HF_WG_MAX_SPLIT 8
 
 #if defined(HF_HAS_WGMMA)
 #define HF_ATTN_WG 1
@@ -450,9 +458,13 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     constexpr uint32_t QB = HB * D * 2u, TB = NT * D * 2u, PB = HB * NT * 2u;
     constexpr uint32_t PIECES = D / 8u;                    // 16-byte pieces per row
     extern __shared__ __align__(128) unsigned char hf_smem[];
+    constexpr uint32_t OST = D + 8u;                       // f32 row stride of O when published
     const uint32_t groups = (H + HB - 1u) / HB;
-    const uint32_t t = blockIdx.x / groups, hbase = (blockIdx.x % groups) * HB;
-    if (t >= T) return;
+    // A cluster of `ns` blocks shares one (row, head group); block `rank` takes the row's tiles
+    // rank, rank + ns, ... (an unclustered launch is a cluster of one).
+    const uint32_t ns = hf_cluster_blocks(), rank = hf_cluster_rank(), cta = blockIdx.x / ns;
+    const uint32_t t = cta / groups, hbase = (cta % groups) * HB;
+    if (t >= T) return;  // the whole cluster: its blocks share the row
     float* bias = (float*)(hf_smem + QB + 2u * TB + PB);  // [2][NT]: 0, or -inf for a skipped entry
     float* red = bias + 2u * NT;                           // [2][HB]
     const uint32_t qs_a = hf_smem_addr(hf_smem), ks_a = qs_a + QB, ps_a = ks_a + 2u * TB;
@@ -469,6 +481,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const int32_t eb = has_extra ? extra_indptr[t] : 0, ee = has_extra ? extra_indptr[t + 1u] : 0;
     const uint32_t nm = me > mb ? (uint32_t)(me - mb) : 0u, ne = ee > eb ? (uint32_t)(ee - eb) : 0u;
     const uint32_t n = nm + ne, ntiles = (n + NT - 1u) / NT;
+    const uint32_t nloc = ntiles > rank ? (ntiles - rank + ns - 1u) / ns : 0u;  // this block's tiles
 
     // Piece p = i·NTH + tid of a [rows x D] tile lands at byte 16p of the K-major layout: row
     // 8·(p / D) + p % 8, pieces (p / 8) % (D / 8). Q (heads past H are zero rows):
@@ -503,10 +516,10 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         if (sub == 0u) bias[b * NT + se] = ok ? 0.0f : NEG_INF;
         hf_cp_async_commit();
     };
-    int32_t sl = fetch(0u);
-    if (ntiles > 0u) stage(0u, 0u, sl);
+    int32_t sl = fetch(rank);
+    if (nloc > 0u) stage(rank, 0u, sl);
     else hf_cp_async_commit();
-    if (ntiles > 1u) sl = fetch(1u);
+    if (nloc > 1u) sl = fetch(rank + ns);
 
     float o[D / 2u / 2u];  // 64 x 256 f32 accumulators of this warpgroup's half of head_dim
 #pragma unroll
@@ -518,13 +531,13 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const uint64_t dq0 = hf_wgmma_desc(qs_a, 128u, ROWB), dk0 = hf_wgmma_desc(ks_a + wg * 4u * ROWB, 128u, ROWB);
     const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u), dv0 = hf_wgmma_desc(ks_a + wg * (D / 16u) * 128u, ROWB, 128u);
 
-    for (uint32_t tile = 0; tile < ntiles; ++tile) {
-        const uint32_t b = tile & 1u;
+    for (uint32_t it = 0; it < nloc; ++it) {
+        const uint32_t b = it & 1u;
         hf_cp_async_wait<0>();
         hf_fence_proxy_async();
-        __syncthreads();  // tile `tile` (and Q) visible; everyone done with buffer b ^ 1 and P
-        if (tile + 1u < ntiles) stage(tile + 1u, b ^ 1u, sl);
-        if (tile + 2u < ntiles) sl = fetch(tile + 2u);  // lands while this tile computes
+        __syncthreads();  // local tile `it` (and Q) visible; everyone done with buffer b ^ 1 and P
+        if (it + 1u < nloc) stage(rank + (it + 1u) * ns, b ^ 1u, sl);
+        if (it + 2u < nloc) sl = fetch(rank + (it + 2u) * ns);  // lands while this tile computes
 
         // (1) S = Q · K^T for this warpgroup's 32 entries.
         // Descriptors advance by their start address (bytes / 16): 256 bytes per k-step.
@@ -611,25 +624,95 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     hf_cp_async_wait<0>();
 
     // Sink and normalisation with l = l(warpgroup 0) + l(warpgroup 1).
-    __syncthreads();
+    __syncthreads();  // every MMA of both warpgroups is done with K and P
     if (c == 0u) {
         red[wg * HB + r0] = l0;
         red[wg * HB + r1] = l1;
     }
-    __syncthreads();
+    if (ns == 1u) {
+        __syncthreads();
+#pragma unroll
+        for (uint32_t half = 0; half < 2u; ++half) {
+            const uint32_t hr = half ? r1 : r0, h = hbase + hr;
+            if (h >= H) continue;
+            const float m = half ? m1 : m0, sk = sink[h] * HF_WG_LOG2E;
+            const float mn = fmaxf(m, sk);
+            const float corr = m == NEG_INF ? 0.0f : hf_wg_exp2(m - mn);
+            const float lp = (red[hr] + red[HB + hr]) * corr + hf_wg_exp2(sk - mn);
+            const float f = lp > 0.0f ? corr / fmaxf(lp, 1e-30f) : 0.0f;
+            uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + wg * (D / 2u) + 2u * c);
+#pragma unroll
+            for (uint32_t j = 0; j < D / 16u; ++j)
+                orow[j * 4u] = hf_pack_bf16x2(o[j * 4u + half * 2u] * f, o[j * 4u + half * 2u + 1u] * f);
+        }
+        return;
+    }
+    // A split row: every block publishes its maxima (over the bias flags), its running sums
+    // (over `red`) and its O in f32 (rows of OST floats over the K tiles and P) ...
+    float* os = (float*)(hf_smem + QB);
+    float* ms = bias;
+    if (wg == 0u && c == 0u) {
+        ms[r0] = m0;
+        ms[r1] = m1;
+    }
 #pragma unroll
     for (uint32_t half = 0; half < 2u; ++half) {
-        const uint32_t hr = half ? r1 : r0, h = hbase + hr;
-        if (h >= H) continue;
-        const float m = half ? m1 : m0, sk = sink[h] * HF_WG_LOG2E;
-        const float mn = fmaxf(m, sk);
-        const float corr = m == NEG_INF ? 0.0f : hf_wg_exp2(m - mn);
-        const float lp = (red[hr] + red[HB + hr]) * corr + hf_wg_exp2(sk - mn);
-        const float f = lp > 0.0f ? corr / fmaxf(lp, 1e-30f) : 0.0f;
-        uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + wg * (D / 2u) + 2u * c);
+        float* orow = os + (half ? r1 : r0) * OST + wg * (D / 2u) + 2u * c;
 #pragma unroll
-        for (uint32_t j = 0; j < D / 16u; ++j) orow[j * 4u] = hf_pack_bf16x2(o[j * 4u + half * 2u] * f, o[j * 4u + half * 2u + 1u] * f);
+        for (uint32_t j = 0; j < D / 16u; ++j)
+            *(float2*)(orow + j * 8u) = make_float2(o[j * 4u + half * 2u], o[j * 4u + half * 2u + 1u]);
     }
+    __syncthreads();
+    if (tid < HB) red[tid] = red[tid] + red[HB + tid];
+    hf_cluster_sync();
+    // ... then block `rank` finishes heads [rank·HB/ns, (rank+1)·HB/ns) from all of them, in block
+    // order: M = max(m_0, .., m_{ns-1}, sink), L = sum_c l_c·2^(m_c - M) + 2^(sink - M), and
+    // out = sum_c O_c·(2^(m_c - M) / L). The weights go over Q (no longer read).
+    const uint32_t share = HB / ns, h0 = rank * share;
+    float* wsm = (float*)hf_smem;  // [HF_WG_MAX_SPLIT][HB]
+    if (tid < share) {
+        const uint32_t hr = h0 + tid, h = hbase + hr;
+        const float sk = h < H ? sink[h] * HF_WG_LOG2E : 0.0f;
+        float mc[HF_WG_MAX_SPLIT];
+        float mx = sk;
+#pragma unroll
+        for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
+            mc[k] = k < ns ? hf_cluster_load_f32(ms + hr, k) : NEG_INF;
+            mx = fmaxf(mx, mc[k]);
+        }
+        float lt = 0.0f;
+#pragma unroll
+        for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
+            mc[k] = mc[k] == NEG_INF ? 0.0f : hf_wg_exp2(mc[k] - mx);
+            if (k < ns) lt += hf_cluster_load_f32(red + hr, k) * mc[k];
+        }
+        lt += hf_wg_exp2(sk - mx);
+        const float f = lt > 0.0f ? 1.0f / fmaxf(lt, 1e-30f) : 0.0f;
+#pragma unroll
+        for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k)
+            if (k < ns) wsm[k * HB + tid] = mc[k] * f;
+    }
+    __syncthreads();
+    for (uint32_t i = tid; i < share * (D / 4u); i += NTH) {
+        const uint32_t hl = i / (D / 4u), d4 = (i % (D / 4u)) * 4u, h = hbase + h0 + hl;
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
+            if (k >= ns) break;
+            const float w = wsm[k * HB + hl];
+            const float4 v = hf_cluster_load_f32x4(os + (h0 + hl) * OST + d4, k);
+            acc.x = fmaf(v.x, w, acc.x);
+            acc.y = fmaf(v.y, w, acc.y);
+            acc.z = fmaf(v.z, w, acc.z);
+            acc.w = fmaf(v.w, w, acc.w);
+        }
+        if (h < H) {
+            uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + d4);
+            orow[0] = hf_pack_bf16x2(acc.x, acc.y);
+            orow[1] = hf_pack_bf16x2(acc.z, acc.w);
+        }
+    }
+    hf_cluster_sync();  // no block leaves while the others may still read its shared memory
 }
 #endif
 
@@ -840,6 +923,12 @@ const WG_ENTRY: &str = "hf_sparse_attn_wg64_d512_bf16";
 pub const WG_HEAD_DIM: usize = 512;
 /// Heads per warpgroup-kernel block (`HF_WG_HEADS`).
 const WG_HEADS: usize = 64;
+/// Row splits the warpgroup kernel supports ([`SparseAttention::with_warpgroup_split`]; at most
+/// `HF_WG_MAX_SPLIT`, and each divides its 64 heads).
+pub const WG_SPLITS: [usize; 4] = [1, 2, 4, 8];
+/// The row split the warpgroup kernel starts with (where the device runs clusters of that many
+/// of its blocks; see [`SparseAttention::with_warpgroup_split`]).
+pub const WG_DEFAULT_SPLIT: usize = 2;
 /// Entries per warpgroup-kernel tile (`HF_WG_NT`).
 const WG_TILE: usize = 64;
 /// Dynamic shared memory of a warpgroup-kernel block, bytes: Q (`64 × 512` bf16), two K tiles
@@ -907,14 +996,22 @@ pub struct RaggedKv<'a> {
 /// reference).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum AttentionKernel {
-    /// The tensor-core kernel where the device and `head_dim` allow it, the portable one otherwise.
+    /// The fastest kernel measured for the device and shape: the warpgroup kernel where the
+    /// device has warpgroup MMA, `head_dim` is 512 and there are at least 64 heads (on the H100 it
+    /// took less time than the tensor-core kernel at every batch from 1 to 256, at 64 and 128
+    /// heads), else the tensor-core kernel where the device and `head_dim` allow it, else the
+    /// portable one. The choice follows the device and the construction sizes only.
     #[default]
     Auto,
+    /// The tensor-core (`mma.sync`) kernel; construction fails where the device or `head_dim`
+    /// does not allow it.
+    TensorCore,
     /// Always the portable CUDA-core kernel (for comparisons and for devices without tensor cores).
     Portable,
     /// The warpgroup-MMA kernel (`wgmma`, [`DeviceInfo::has_wgmma`]: H100 / H200) at `head_dim`
-    /// 512: 64 heads per block, Q in shared memory, tiles of 64 entries; construction fails on
-    /// other devices and head sizes.
+    /// 512: 64 heads per block, Q in shared memory, tiles of 64 entries, each row split over a
+    /// cluster of [`WG_DEFAULT_SPLIT`] blocks (where the device runs such clusters; else 1);
+    /// construction fails on other devices and head sizes.
     ///
     /// [`DeviceInfo::has_wgmma`]: holdfast_hal::DeviceInfo::has_wgmma
     Warpgroup,
@@ -933,6 +1030,8 @@ pub struct SparseAttention {
     mma: Option<[Kernel; 3]>,
     /// The warpgroup entry, when selected ([`AttentionKernel::Warpgroup`]).
     wg: Option<Kernel>,
+    /// Blocks (one cluster) sharing each row of the warpgroup kernel ([`WG_SPLITS`]).
+    wg_split: usize,
 }
 
 /// True when `dev` runs the tensor-core kernel at `head_dim`: CUDA sm_80 or newer, `head_dim` one
@@ -970,10 +1069,22 @@ impl SparseAttention {
             ));
         }
         let m = dev.compile(source())?;
-        let wg = if kernel == AttentionKernel::Warpgroup {
-            let info = dev.info();
-            if !info.has_wgmma() || head_dim != WG_HEAD_DIM || WG_SHARED_BYTES > info.max_shared_mem_per_block as usize
-            {
+        let info = dev.info();
+        let wg_fits =
+            info.has_wgmma() && head_dim == WG_HEAD_DIM && WG_SHARED_BYTES <= info.max_shared_mem_per_block as usize;
+        let wg_auto = kernel == AttentionKernel::Auto && wg_fits && heads >= WG_HEADS;
+        if kernel == AttentionKernel::TensorCore && !tensor_cores_fit(dev, head_dim) {
+            return Err(shape(
+                OP,
+                format!(
+                    "the tensor-core kernel needs bf16 mma.sync (NVIDIA sm_80+) and head_dim one of \
+                     {TENSOR_CORE_HEAD_DIMS:?}; this is {} ({}) at head_dim {head_dim}",
+                    info.name, info.arch
+                ),
+            ));
+        }
+        let wg = if kernel == AttentionKernel::Warpgroup || wg_auto {
+            if !wg_fits {
                 return Err(shape(
                     OP,
                     format!(
@@ -987,7 +1098,10 @@ impl SparseAttention {
         } else {
             None
         };
-        let mma = if kernel == AttentionKernel::Auto && tensor_cores_fit(dev, head_dim) {
+        let mma = if wg.is_none()
+            && matches!(kernel, AttentionKernel::Auto | AttentionKernel::TensorCore)
+            && tensor_cores_fit(dev, head_dim)
+        {
             Some([
                 m.kernel(mma_entry(MMA16, head_dim))?,
                 m.kernel(mma_entry(MMA32, head_dim))?,
@@ -996,7 +1110,7 @@ impl SparseAttention {
         } else {
             None
         };
-        Ok(SparseAttention {
+        let k = SparseAttention {
             heads,
             head_dim,
             warp,
@@ -1005,7 +1119,58 @@ impl SparseAttention {
             attend: m.kernel("hf_sparse_attn_bf16")?,
             mma,
             wg,
-        })
+            wg_split: 1,
+        };
+        if k.wg.is_none() {
+            return Ok(k);
+        }
+        // The default split where the device runs its clusters, else none (a fixed choice per
+        // device, never per batch).
+        match k.clone().with_warpgroup_split(dev, WG_DEFAULT_SPLIT) {
+            Ok(split) => Ok(split),
+            Err(_) if WG_DEFAULT_SPLIT > 1 => Ok(k),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The warpgroup kernel with each (row, group of 64 heads) shared by a cluster of `split`
+    /// blocks (one of [`WG_SPLITS`]): block `r` takes the row's 64-entry tiles `r, r + split, ..`
+    /// and the cluster adds the blocks' partial results in block order through distributed shared
+    /// memory. The split is fixed per instance, never chosen by batch, so a row's bits depend on
+    /// its own inputs and `split` only. Errors: not the warpgroup kernel, a split outside
+    /// [`WG_SPLITS`], or a cluster of `split` such blocks `dev` (the device this was built for)
+    /// cannot run.
+    pub fn with_warpgroup_split(mut self, dev: &Device, split: usize) -> Result<Self> {
+        const OP: &str = "SparseAttention::with_warpgroup_split";
+        let Some(k) = &self.wg else {
+            return Err(shape(OP, "a row split needs the warpgroup kernel (AttentionKernel::Warpgroup)".into()));
+        };
+        if !WG_SPLITS.contains(&split) {
+            return Err(shape(OP, format!("a split of {split} blocks per row; supported: {WG_SPLITS:?}")));
+        }
+        if split > 1 {
+            let (_, cfg) = self.attend_launch(1);
+            let fits = dev.max_active_clusters(k, cfg, split as u32)?;
+            if fits == 0 {
+                return Err(shape(
+                    OP,
+                    format!(
+                        "the device cannot run a cluster of {split} blocks of {WG_SHARED_BYTES} bytes of shared memory"
+                    ),
+                ));
+            }
+        }
+        self.wg_split = split;
+        Ok(self)
+    }
+
+    /// Blocks sharing each row of the warpgroup kernel (1 for the other kernels).
+    pub fn warpgroup_split(&self) -> usize {
+        if self.wg.is_some() {
+            self.wg_split
+        } else {
+            1
+        }
     }
 
     /// True when [`SparseAttention::attend`] runs a tensor-core kernel (`mma.sync` or warpgroup).
@@ -1019,7 +1184,7 @@ impl SparseAttention {
         let (h, d) = (self.heads, self.head_dim);
         let rows = rows.max(1);
         if let Some(k) = &self.wg {
-            let blocks = rows * h.div_ceil(WG_HEADS);
+            let blocks = rows * h.div_ceil(WG_HEADS) * self.wg_split;
             let cfg = LaunchConfig {
                 grid: (u32::try_from(blocks).unwrap_or(u32::MAX), 1, 1),
                 block: (256, 1, 1),
@@ -1137,6 +1302,7 @@ impl SparseAttention {
             }
         }
         let (kernel, cfg) = self.attend_launch(rows);
+        let split = self.warpgroup_split();
         let args = [
             q.into(),
             main.cache.into(),
@@ -1155,7 +1321,11 @@ impl SparseAttention {
             u32::from(extra.is_some()).into(),
             scale.into(),
         ];
-        s.launch(kernel, cfg, &args)?;
+        if split > 1 {
+            s.launch_cluster(kernel, cfg, split as u32, &args)?;
+        } else {
+            s.launch(kernel, cfg, &args)?;
+        }
         Ok(())
     }
 }

@@ -2,8 +2,28 @@
 //! inputs with poisoned outputs, batch invariance, graph replay over a growing sequence, and
 //! construction errors. Runs on `cpu` always and on `cuda:0` when present.
 
-use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, TENSOR_CORE_HEAD_DIMS, WG_HEAD_DIM};
+use holdfast_attention::{
+    AttentionKernel, RaggedKv, SparseAttention, TENSOR_CORE_HEAD_DIMS, WG_DEFAULT_SPLIT, WG_HEAD_DIM, WG_SPLITS,
+};
 use holdfast_hal::{bf16, Buffer, Device, Stream};
+
+/// A kernel choice and, for the warpgroup kernel, its row split (`None`: the constructor's).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Pick(AttentionKernel, Option<usize>);
+
+impl From<AttentionKernel> for Pick {
+    fn from(k: AttentionKernel) -> Self {
+        Pick(k, None)
+    }
+}
+
+fn build(dev: &Device, heads: usize, d: usize, pick: Pick) -> SparseAttention {
+    let k = SparseAttention::with_kernel(dev, heads, d, pick.0).expect("kernel");
+    match pick.1 {
+        Some(n) => k.with_warpgroup_split(dev, n).expect("split"),
+        None => k,
+    }
+}
 
 struct Rng(u64);
 impl Rng {
@@ -168,14 +188,16 @@ const CASES: [(usize, usize, usize, usize, usize, usize, usize); 10] = [
 ];
 
 fn attention_matches_its_f64_definition(dev: &Device) {
-    matches_f64_with(dev, AttentionKernel::Auto);
+    matches_f64_with(dev, AttentionKernel::Auto.into());
 }
 
-fn matches_f64_with(dev: &Device, choice: AttentionKernel) {
+fn matches_f64_with(dev: &Device, choice: Pick) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0x5EED);
     for (rows, heads, d, s_main, s_extra, max_main, max_extra) in CASES {
-        if choice == AttentionKernel::Warpgroup && d != WG_HEAD_DIM {
+        if (choice.0 == AttentionKernel::Warpgroup && d != WG_HEAD_DIM)
+            || (choice.0 == AttentionKernel::TensorCore && !TENSOR_CORE_HEAD_DIMS.contains(&d))
+        {
             continue;
         }
         let mut c = case(&mut rng, rows, heads, d, s_main, s_extra, max_main, max_extra);
@@ -185,7 +207,7 @@ fn matches_f64_with(dev: &Device, choice: AttentionKernel) {
             c.extra_lists[1] = vec![s_extra as i32 + 3];
         }
         let b = upload(dev, &c);
-        let k = SparseAttention::with_kernel(dev, heads, d, choice).expect("kernel");
+        let k = build(dev, heads, d, choice);
         let scale = 1.0 / (d as f32).sqrt();
         run(&k, &s, &b, rows, rows * heads * d, scale);
         let got = s.copy_to_host_sync(&b.out.view()).expect("read");
@@ -221,16 +243,32 @@ fn matches_f64_with(dev: &Device, choice: AttentionKernel) {
     }
 }
 
-/// On a GPU the portable kernel meets the same bound, and the tensor-core kernel is the one
-/// `new` picks wherever the device and head_dim allow it.
+/// On a GPU the portable kernel and the tensor-core kernel meet the same bound; `new` picks tensor
+/// cores wherever the device and head_dim allow them (the warpgroup kernel, at its default split,
+/// for 64 heads of 512 on a device with warpgroup MMA); an explicit tensor-core choice where they
+/// do not is a clear error.
 fn the_portable_kernel_matches_too_and_tensor_cores_are_picked_where_they_fit(dev: &Device) {
-    matches_f64_with(dev, AttentionKernel::Portable);
+    matches_f64_with(dev, AttentionKernel::Portable.into());
     for d in [64usize, 128, 192, 256, 512] {
         let k = SparseAttention::new(dev, 64, d).expect("kernel");
         let want = dev.info().has_bf16_mma() && TENSOR_CORE_HEAD_DIMS.contains(&d);
         assert_eq!(k.uses_tensor_cores(), want, "head_dim {d} on {}", dev.info().arch);
+        let wg = dev.info().has_wgmma() && d == WG_HEAD_DIM;
+        assert_eq!(k.warpgroup_split(), if wg { WG_DEFAULT_SPLIT } else { 1 }, "head_dim {d}");
         assert!(!SparseAttention::with_kernel(dev, 64, d, AttentionKernel::Portable).expect("k").uses_tensor_cores());
+        match SparseAttention::with_kernel(dev, 64, d, AttentionKernel::TensorCore) {
+            Ok(k) => assert!(want && k.uses_tensor_cores() && k.warpgroup_split() == 1, "head_dim {d}"),
+            Err(e) => assert!(!want && e.to_string().contains("tensor-core kernel needs"), "head_dim {d}: {e}"),
+        }
     }
+    if dev.info().has_bf16_mma() {
+        matches_f64_with(dev, AttentionKernel::TensorCore.into());
+        row_alone_vs_batch(dev, 64, 512, 160, 96, AttentionKernel::TensorCore.into());
+    }
+    // A row split is the warpgroup kernel's alone.
+    let portable = SparseAttention::with_kernel(dev, 64, 512, AttentionKernel::Portable).expect("portable");
+    let err = portable.with_warpgroup_split(dev, 2).expect_err("not the warpgroup kernel");
+    assert!(err.to_string().contains("needs the warpgroup kernel"), "{err}");
 }
 
 /// The warpgroup kernel meets the same bound at head_dim 512 (8 to 128 heads, lists of one to
@@ -246,12 +284,21 @@ fn the_warpgroup_kernel_matches_f64_and_is_batch_invariant_where_the_device_has_
         eprintln!("skipped: {} ({}) has no warpgroup MMA; the refusal was checked", dev.info().name, dev.info().arch);
         return;
     }
-    assert!(SparseAttention::with_kernel(dev, 64, WG_HEAD_DIM, AttentionKernel::Warpgroup)
-        .expect("wg")
-        .uses_tensor_cores());
-    matches_f64_with(dev, AttentionKernel::Warpgroup);
-    row_alone_vs_batch(dev, 64, WG_HEAD_DIM, 160, 96, AttentionKernel::Warpgroup);
-    replay_like_eager(dev, 64, WG_HEAD_DIM, 200, AttentionKernel::Warpgroup);
+    let wg = SparseAttention::with_kernel(dev, 64, WG_HEAD_DIM, AttentionKernel::Warpgroup).expect("wg");
+    assert!(wg.uses_tensor_cores());
+    assert_eq!(wg.warpgroup_split(), WG_DEFAULT_SPLIT);
+    let err = wg.clone().with_warpgroup_split(dev, 3).expect_err("split 3");
+    assert!(err.to_string().contains("supported"), "{err}");
+    // Every split: the bound (lists of one to many tiles, so some blocks of a cluster have none),
+    // batch invariance, and graph replay.
+    for n in WG_SPLITS {
+        let pick = Pick(AttentionKernel::Warpgroup, Some(n));
+        matches_f64_with(dev, pick);
+        row_alone_vs_batch(dev, 64, WG_HEAD_DIM, 160, 96, pick);
+        replay_like_eager(dev, 64, WG_HEAD_DIM, 200, pick);
+    }
+    // 128 heads (two head groups per row, each its own cluster).
+    row_alone_vs_batch(dev, 128, WG_HEAD_DIM, 200, 300, AttentionKernel::Warpgroup.into());
 }
 
 fn kv_insert_matches_its_definition(dev: &Device) {
@@ -293,21 +340,14 @@ fn a_row_is_the_same_alone_and_in_a_padded_batch_of_256(dev: &Device) {
     // 16 heads × 128 (short lists) and the model's 64 × 512 (several tiles per row): on a GPU the
     // lone row runs 16 heads per block (16 heads) or 32 heads with three staged tiles (64 heads),
     // and the batch 32 heads with two, so this also pins the head grouping and the pipeline depth.
-    row_alone_vs_batch(dev, 16, 128, 128, 32, AttentionKernel::Auto);
-    row_alone_vs_batch(dev, 64, 512, 160, 96, AttentionKernel::Auto);
+    row_alone_vs_batch(dev, 16, 128, 128, 32, AttentionKernel::Auto.into());
+    row_alone_vs_batch(dev, 64, 512, 160, 96, AttentionKernel::Auto.into());
 }
 
-fn row_alone_vs_batch(
-    dev: &Device,
-    heads: usize,
-    d: usize,
-    max_main: usize,
-    max_extra: usize,
-    kernel: AttentionKernel,
-) {
+fn row_alone_vs_batch(dev: &Device, heads: usize, d: usize, max_main: usize, max_extra: usize, kernel: Pick) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(99);
-    let k = SparseAttention::with_kernel(dev, heads, d, kernel).expect("kernel");
+    let k = build(dev, heads, d, kernel);
     let big = case(&mut rng, 256, heads, d, 512, 64, max_main, max_extra);
     let mut padded = case(&mut rng, 0, heads, d, 0, 0, 0, 0);
     padded.rows = 260;
@@ -348,16 +388,16 @@ type StepBuffers =
     (Buffer<bf16>, Buffer<bf16>, Buffer<i32>, Buffer<bf16>, Buffer<i32>, Buffer<i32>, Buffer<f32>, Buffer<bf16>);
 
 fn a_captured_decode_step_replays_a_growing_sequence_like_eager(dev: &Device) {
-    replay_like_eager(dev, 8, 64, 16, AttentionKernel::Auto);
+    replay_like_eager(dev, 8, 64, 16, AttentionKernel::Auto.into());
 }
 
 /// A decode step (insert, then attend over a sliding window of `window` slots) captured once and
 /// replayed for 100 steps of a growing sequence equals eager bit for bit.
-fn replay_like_eager(dev: &Device, heads: usize, d: usize, window: usize, kernel: AttentionKernel) {
+fn replay_like_eager(dev: &Device, heads: usize, d: usize, window: usize, kernel: Pick) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(4242);
     let slots = 2 * window.max(64);
-    let k = SparseAttention::with_kernel(dev, heads, d, kernel).expect("kernel");
+    let k = build(dev, heads, d, kernel);
     let mk = |tag: &str| {
         (
             dev.alloc_zeroed::<bf16>(&format!("{tag}.q"), heads * d, true).expect("q"),
@@ -488,6 +528,7 @@ fn the_warpgroup_entry_uses_wgmma_on_sm_90a() {
     assert!(e.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"), "lacks the P·V wgmma");
     assert!(e.contains("fence.proxy.async.shared::cta"), "lacks the proxy fence");
     assert!(e.contains("cp.async.cg.shared.global"), "lacks cp.async staging");
+    assert!(e.contains("mapa.shared::cluster") && e.contains("barrier.cluster.wait"), "lacks the split's combine");
     assert!(!e.contains(".local"), "uses local memory");
     assert!(!entry("sm_90").contains("wgmma"), "sm_90 has no warpgroup MMA");
 }

@@ -8,10 +8,12 @@
 //! the slot lists (`rows × entries × 4`) and the two indptr arrays.
 //!
 //! Each shape is timed with the kernel [`SparseAttention::new`] picks and, on a device with
-//! warpgroup MMA at head_dim 512, also with [`AttentionKernel::Warpgroup`] (case suffix ` wg`), side
-//! by side on the same inputs. [`attend_case`] is the only place that calls the kernel's API.
+//! warpgroup MMA at head_dim 512 (where `new` picks the warpgroup kernel, its rows split in
+//! [`WG_DEFAULT_SPLIT`] blocks), also with the tensor-core kernel (case suffix ` mma`) and with the
+//! warpgroup kernel at every other row split of [`WG_SPLITS`] (suffix ` wg/N`), side by side on
+//! the same inputs. [`attend_case`] is the only place that calls the kernel's API.
 
-use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, WG_HEAD_DIM};
+use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, WG_DEFAULT_SPLIT, WG_HEAD_DIM, WG_SPLITS};
 use holdfast_hal::bf16;
 
 use crate::ctx::{Ctx, Scale};
@@ -84,12 +86,14 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     let warpgroup = ctx.dev.info().has_wgmma();
     for shape in shapes(ctx.scale) {
-        let mut kernels = vec![AttentionKernel::Auto];
+        let mut kernels = vec![(AttentionKernel::Auto, None)];
         if warpgroup && shape.head_dim == WG_HEAD_DIM {
-            kernels.push(AttentionKernel::Warpgroup);
+            kernels.push((AttentionKernel::TensorCore, None));
+            let others = WG_SPLITS.iter().filter(|&&n| n != WG_DEFAULT_SPLIT);
+            kernels.extend(others.map(|&n| (AttentionKernel::Warpgroup, Some(n))));
         }
-        for kernel in kernels {
-            let mut row = attend_case(ctx, shape, kernel)?
+        for (kernel, split) in kernels {
+            let mut row = attend_case(ctx, shape, kernel, split)?
                 .with_bytes(shape.bytes())
                 .with_flops(shape.flops())
                 .with_bound(Bound::Copy);
@@ -102,11 +106,16 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// Builds the inputs of one shape and times `SparseAttention::attend` with `kernel` on them (the
-/// case name gains ` wg` for [`AttentionKernel::Warpgroup`]).
-pub fn attend_case(ctx: &Ctx, sh: AttnShape, kernel: AttentionKernel) -> Result<Row> {
+/// Builds the inputs of one shape and times `SparseAttention::attend` with `kernel` on them, its
+/// rows split in `split` blocks where given (the warpgroup kernel). The case name gains ` mma` for
+/// [`AttentionKernel::TensorCore`], ` wg/N` for the warpgroup kernel split in N, ` wg` for it
+/// at its default split and ` portable` for the portable kernel.
+pub fn attend_case(ctx: &Ctx, sh: AttnShape, kernel: AttentionKernel, split: Option<usize>) -> Result<Row> {
     let AttnShape { heads, head_dim: d, window, extra, batch } = sh;
-    let k = SparseAttention::with_kernel(&ctx.dev, heads, d, kernel)?;
+    let mut k = SparseAttention::with_kernel(&ctx.dev, heads, d, kernel)?;
+    if let Some(n) = split {
+        k = k.with_warpgroup_split(&ctx.dev, n)?;
+    }
     let per_row = window + extra;
     let slots = (batch * per_row).max(1);
     // Filled on the device (every element 0x3c3c ≈ 0.0115): the values do not change the work,
@@ -131,9 +140,12 @@ pub fn attend_case(ctx: &Ctx, sh: AttnShape, kernel: AttentionKernel) -> Result<
     let ex = RaggedKv { cache: &cv, indices: &eiv, indptr: &epv };
     let scale = 1.0 / (d as f32).sqrt();
     let s = &ctx.s;
-    let case = match kernel {
-        AttentionKernel::Warpgroup => format!("{} wg", sh.case()),
-        _ => sh.case(),
+    let case = match (kernel, split) {
+        (AttentionKernel::Auto, _) => sh.case(),
+        (AttentionKernel::TensorCore, _) => format!("{} mma", sh.case()),
+        (AttentionKernel::Warpgroup, Some(n)) => format!("{} wg/{n}", sh.case()),
+        (AttentionKernel::Warpgroup, None) => format!("{} wg", sh.case()),
+        (AttentionKernel::Portable, _) => format!("{} portable", sh.case()),
     };
     ctx.kernel_row(SECTION, case, &mut || Ok(k.attend(s, &qv, &main, Some(&ex), &sv, &ov, scale)?))
 }

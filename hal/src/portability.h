@@ -380,4 +380,15 @@ __device__ __forceinline__ float hf_cluster_load_f32(const float* p, uint32_t ra
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
 }
+// The four f32 at 16-byte-aligned shared-memory pointer p in block `rank` of the cluster.
+__device__ __forceinline__ float4 hf_cluster_load_f32x4(const float* p, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(hf_smem_addr(p)), "r"(rank));
+    float4 v;
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                 : "r"(remote)
+                 : "memory");
+    return v;
+}
 #endif
