@@ -6,7 +6,8 @@
 //!     --example attention_case -- KERNEL HEADS BATCH EXTRA ITERS
 //! ```
 //!
-//! `KERNEL` is `auto`, `portable` or `warpgroup`; each of the `BATCH` rows attends over a window of
+//! `KERNEL` is `auto`, `portable`, `mma` (the tensor-core kernel) or `warpgroup`, optionally with
+//! its row split (`warpgroup/4`); each of the `BATCH` rows attends over a window of
 //! 128 distinct slots plus `EXTRA` more (head_dim 512, the bench's layout, patterned values). It
 //! prints the mean time per call over `ITERS` calls after as many warm-up calls, and a hash of the
 //! output (equal hashes: equal bits).
@@ -14,7 +15,7 @@
 use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention};
 use holdfast_hal::{bf16, Device};
 
-const USAGE: &str = "usage: attention_case auto|portable|warpgroup HEADS BATCH EXTRA ITERS";
+const USAGE: &str = "usage: attention_case auto|portable|mma|warpgroup[/SPLIT] HEADS BATCH EXTRA ITERS";
 
 fn main() {
     if let Err(e) = run() {
@@ -28,9 +29,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     if a.len() != 5 {
         return Err(format!("expected 5 arguments, got {}", a.len()).into());
     }
-    let kernel = match a[0].as_str() {
+    let (name, split) = match a[0].split_once('/') {
+        Some((n, s)) => (n, Some(s.parse::<usize>().map_err(|e| format!("split `{s}`: {e}"))?)),
+        None => (a[0].as_str(), None),
+    };
+    let kernel = match name {
         "auto" => AttentionKernel::Auto,
         "portable" => AttentionKernel::Portable,
+        "mma" => AttentionKernel::TensorCore,
         "warpgroup" => AttentionKernel::Warpgroup,
         other => return Err(format!("unknown kernel `{other}`").into()),
     };
@@ -39,7 +45,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (d, window) = (512usize, 128usize);
     let dev = Device::open(&std::env::var("HOLDFAST_DEVICE").unwrap_or_else(|_| "cpu".into()))?;
     let s = dev.create_stream()?;
-    let k = SparseAttention::with_kernel(&dev, heads, d, kernel)?;
+    let mut k = SparseAttention::with_kernel(&dev, heads, d, kernel)?;
+    if let Some(n) = split {
+        k = k.with_warpgroup_split(&dev, n)?;
+    }
     let per_row = window + extra;
     let pattern = |i: usize, scale: f32| {
         bf16::from_f32((((i.wrapping_mul(2_654_435_761) >> 20) & 255) as f32 / 128.0 - 1.0) * scale)
