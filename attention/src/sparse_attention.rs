@@ -28,13 +28,15 @@
 //!   warpgroups; block `r` of the cluster takes the row's 64-entry tiles `r, r + split, ..`, and
 //!   the cluster combines the blocks' maxima, running sums and f32 partial outputs in block order
 //!   through distributed shared memory (each block finishes `64 / split` heads). Q sits in shared
-//!   memory for the whole row; the
-//!   entries stream through two `cp.async`-staged tiles of 64 (their slots fetched a tile ahead);
+//!   memory for the whole row; the entries stream through two `cp.async`-staged tiles of 64
+//!   (their slots fetched a tile ahead) in the 128-byte-swizzled layout, so every warp's copy
+//!   moves whole 128-byte lines at both ends (the no-swizzle layout scattered each row's 16-byte
+//!   pieces 128 bytes apart, which split every 32-byte sector into two requests);
 //!   `q·kᵀ` runs as `wgmma` m64n32k16 (each warpgroup 32 of the tile's entries) and `p·v` as
 //!   `wgmma` m64n256k16 (each warpgroup half of `head_dim`), f32 accumulation, `p` rounded to
 //!   bf16 as above, the scores kept in base 2 (`s·scale·log2 e`) and exponentiated by the
 //!   multi-function unit's `2^x` (relative error below 2⁻²²); the two warpgroups share the
-//!   running maximum and add their running sums at the end. 205 824 bytes of shared memory, one
+//!   running maximum and add their running sums at the end. 206 848 bytes of shared memory, one
 //!   block per multiprocessor. Its summation order differs from the `mma.sync` kernel's (and
 //!   with the split), so they agree within the bf16 bound, not bit for bit; each kernel at a
 //!   given split is batch-invariant on its own.
@@ -416,8 +418,8 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 // One cluster of blocks per (row, group of 64 heads) (block r of a cluster of ns takes the row's
 // tiles r, r + ns, ..), two warpgroups (256 threads) per block. Q of the 64 heads sits in
 // shared memory for the whole row; the row's entries (main, then extra) stream through two
-// cp.async-staged tiles of 64 entries. All operands use the no-swizzle layout of 8 x 8 core
-// matrices (hf_wg_off). Per tile: (1) warpgroup w scores the tile's entries 32w..32w+31 against
+// cp.async-staged tiles of 64 entries. Q and P use the no-swizzle layout of 8 x 8 core matrices
+// (hf_wg_off), the K tiles the 128-byte swizzle (see the staging below). Per tile: (1) warpgroup w scores the tile's entries 32w..32w+31 against
 // all 64 heads (32 wgmma m64n32k16 over head_dim, Q and K from shared memory); (2) the row maxima
 // are exchanged through shared memory so both warpgroups keep the same running max; each rounds
 // its P to bf16 into a shared 64 x 64 tile and keeps its own running sum of the rounded P;
@@ -457,8 +459,11 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     constexpr uint32_t ROWB = D * 16u;                     // bytes per 8 rows of a D-wide tile
     constexpr uint32_t QB = HB * D * 2u, TB = NT * D * 2u, PB = HB * NT * 2u;
     constexpr uint32_t PIECES = D / 8u;                    // 16-byte pieces per row
-    extern __shared__ __align__(128) unsigned char hf_smem[];
+    constexpr uint32_t ATOM = NT * 128u;                   // bytes per 64-column block of a K tile
     constexpr uint32_t OST = D + 8u;                       // f32 row stride of O when published
+    extern __shared__ __align__(1024) unsigned char hf_smem_wg[];
+    // The K tiles' 128-byte swizzle follows address bits 4-9: the layout starts 1024-aligned.
+    unsigned char* hf_smem = hf_smem_wg + ((1024u - (hf_smem_addr(hf_smem_wg) & 1023u)) & 1023u);
     const uint32_t groups = (H + HB - 1u) / HB;
     // A cluster of `ns` blocks shares one (row, head group); block `rank` takes the row's tiles
     // rank, rank + ns, ... (an unclustered launch is a cluster of one).
@@ -492,60 +497,75 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         const bool ok = h < H;
         hf_cp_async16(qs_a + p * 16u, q + (ok ? ((uint64_t)t * H + h) * D + piece * 8u : 0u), ok ? 16u : 0u);
     }
-    // Four threads stage each entry of a tile: thread t takes entry t / 4 and its 16-byte pieces
-    // t % 4, t % 4 + 4, .. (a warp's copy covers 8 entries x 64 bytes, and lands as 512 contiguous
-    // bytes of the core-matrix layout). The slot of a thread's entry (-1 past the list) is a
-    // plain load fetched a tile ahead, so staging never waits on it.
-    const uint32_t se = tid >> 2, sub = tid & 3u;
-    auto fetch = [&](uint32_t tile) -> int32_t {
-        const uint32_t j = tile * NT + se;
+    // K tiles use the 128-byte-swizzled K-major layout: column block a (head_dim 64a .. 64a + 63)
+    // of entry e sits at a·ATOM + 128·e, its 16-byte chunk c at chunk c ^ (e % 8). Eight threads
+    // stage each entry, thread t taking entries t / 8 and t / 8 + 32 and chunk t % 8 of every
+    // block, so a warp's copy reads four whole 128-byte lines and writes 512 contiguous bytes
+    // (one 32-byte sector per pair of threads at both ends). The slots of a thread's entries (-1
+    // past the list) are plain loads fetched a tile ahead, so staging never waits on them.
+    const uint32_t se = tid >> 3, c8 = tid & 7u;
+    auto fetch = [&](uint32_t tile, uint32_t u) -> int32_t {
+        const uint32_t j = tile * NT + se + 32u * u;
         const int32_t* at = j < nm ? main_idx + mb + (int32_t)j : extra_idx + eb + (int32_t)(j - nm);
         return j < n ? *at : -1;
     };
-    // Tile `tile` into buffer `b` from the fetched slot (an invalid or missing entry is a zero row
+    // Tile `tile` into buffer `b` from the fetched slots (an invalid or missing entry is a zero row
     // with bias -inf); commits.
-    const uint32_t sdst = (se >> 3) * ROWB + (se & 7u) * 16u + sub * 128u;
-    auto stage = [&](uint32_t tile, uint32_t b, int32_t slot) {
-        const uint32_t j = tile * NT + se;
-        const bool in_main = j < nm;
-        const bool ok = j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra);
-        const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D + sub * 8u : 0u);
-        const uint32_t dst = ks_a + b * TB + sdst, bytes = ok ? 16u : 0u, step = ok ? 32u : 0u;
+    auto stage = [&](uint32_t tile, uint32_t b, int32_t s0, int32_t s1) {
 #pragma unroll
-        for (uint32_t k = 0; k < PIECES / 4u; ++k) hf_cp_async16(dst + k * 512u, src + k * step, bytes);
-        if (sub == 0u) bias[b * NT + se] = ok ? 0.0f : NEG_INF;
+        for (uint32_t u = 0; u < 2u; ++u) {
+            const uint32_t e = se + 32u * u, j = tile * NT + e;
+            const int32_t slot = u ? s1 : s0;
+            const bool in_main = j < nm;
+            const bool ok = j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra);
+            const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D + c8 * 8u : 0u);
+            const uint32_t dst = ks_a + b * TB + e * 128u + ((c8 ^ (e & 7u)) << 4), bytes = ok ? 16u : 0u;
+            const uint32_t step = ok ? 64u : 0u;
+#pragma unroll
+            for (uint32_t a = 0; a < D / 64u; ++a) hf_cp_async16(dst + a * ATOM, src + a * step, bytes);
+            if (c8 == 0u) bias[b * NT + e] = ok ? 0.0f : NEG_INF;
+        }
         hf_cp_async_commit();
     };
-    int32_t sl = fetch(rank);
-    if (nloc > 0u) stage(rank, 0u, sl);
+    int32_t sl0 = fetch(rank, 0u), sl1 = fetch(rank, 1u);
+    if (nloc > 0u) stage(rank, 0u, sl0, sl1);
     else hf_cp_async_commit();
-    if (nloc > 1u) sl = fetch(rank + ns);
+    if (nloc > 1u) {
+        sl0 = fetch(rank + ns, 0u);
+        sl1 = fetch(rank + ns, 1u);
+    }
 
     float o[D / 2u / 2u];  // 64 x 256 f32 accumulators of this warpgroup's half of head_dim
 #pragma unroll
     for (uint32_t i = 0; i < D / 4u; ++i) o[i] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     const float scale2 = scale * HF_WG_LOG2E;
-    // Operand descriptors at k-step 0 of buffer 0: Q, this warpgroup's 32 entries of K, P, and
-    // this warpgroup's half of V (the K tile read N-major).
-    const uint64_t dq0 = hf_wgmma_desc(qs_a, 128u, ROWB), dk0 = hf_wgmma_desc(ks_a + wg * 4u * ROWB, 128u, ROWB);
-    const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u), dv0 = hf_wgmma_desc(ks_a + wg * (D / 16u) * 128u, ROWB, 128u);
+    // Operand descriptors at k-step 0 of buffer 0: Q and P (no swizzle), this warpgroup's 32
+    // entries of K (K-major, 128-byte swizzle: 8-row groups 1024 bytes apart) and this warpgroup's
+    // half of V (the K tile read N-major: 64-column blocks ATOM bytes apart, 8-entry groups 1024).
+    const uint64_t dq0 = hf_wgmma_desc(qs_a, 128u, ROWB), dk0 = hf_wgmma_desc_sw128(ks_a + wg * 32u * 128u, 16u, 1024u);
+    const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u), dv0 = hf_wgmma_desc_sw128(ks_a + wg * 4u * ATOM, ATOM, 1024u);
 
     for (uint32_t it = 0; it < nloc; ++it) {
         const uint32_t b = it & 1u;
         hf_cp_async_wait<0>();
         hf_fence_proxy_async();
         __syncthreads();  // local tile `it` (and Q) visible; everyone done with buffer b ^ 1 and P
-        if (it + 1u < nloc) stage(rank + (it + 1u) * ns, b ^ 1u, sl);
-        if (it + 2u < nloc) sl = fetch(rank + (it + 2u) * ns);  // lands while this tile computes
+        if (it + 1u < nloc) stage(rank + (it + 1u) * ns, b ^ 1u, sl0, sl1);
+        if (it + 2u < nloc) {  // lands while this tile computes
+            sl0 = fetch(rank + (it + 2u) * ns, 0u);
+            sl1 = fetch(rank + (it + 2u) * ns, 1u);
+        }
 
         // (1) S = Q · K^T for this warpgroup's 32 entries.
-        // Descriptors advance by their start address (bytes / 16): 256 bytes per k-step.
+        // Descriptors advance by their start address (bytes / 16): Q 256 bytes per k-step; K 32
+        // bytes within a 64-column block (the swizzle applies to the final address), ATOM across.
         float s[16];
         const uint64_t dk = dk0 + (uint64_t)(b * (TB >> 4));
         hf_wgmma_fence();
 #pragma unroll
-        for (uint32_t ks = 0; ks < D / 16u; ++ks) hf_wgmma_m64n32k16(s, dq0 + ks * 16u, dk + ks * 16u, ks > 0u ? 1u : 0u);
+        for (uint32_t ks = 0; ks < D / 16u; ++ks)
+            hf_wgmma_m64n32k16(s, dq0 + ks * 16u, dk + (ks >> 2) * (ATOM >> 4) + (ks & 3u) * 2u, ks > 0u ? 1u : 0u);
         hf_wgmma_commit();
         hf_wgmma_wait<0>();
 
@@ -617,7 +637,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         hf_wgmma_fence();
 #pragma unroll
         for (uint32_t kk = 0; kk < NT / 16u; ++kk)
-            hf_wgmma_m64n256k16_tb(o, dp0 + kk * 16u, dv + kk * ((2u * ROWB) >> 4), 1u);
+            hf_wgmma_m64n256k16_tb(o, dp0 + kk * 16u, dv + kk * (2048u >> 4), 1u);
         hf_wgmma_commit();
         hf_wgmma_wait<0>();
     }
@@ -931,10 +951,12 @@ pub const WG_SPLITS: [usize; 4] = [1, 2, 4, 8];
 pub const WG_DEFAULT_SPLIT: usize = 2;
 /// Entries per warpgroup-kernel tile (`HF_WG_NT`).
 const WG_TILE: usize = 64;
-/// Dynamic shared memory of a warpgroup-kernel block, bytes: Q (`64 × 512` bf16), two K tiles
-/// (`64 × 512` bf16 each), P (`64 × 64` bf16), the tiles' validity flags (`2 × 64` i32) and the
-/// per-head exchange (`2 × 64` f32): 205 824 bytes.
-const WG_SHARED_BYTES: usize = WG_HEADS * WG_HEAD_DIM * 2
+/// Dynamic shared memory of a warpgroup-kernel block, bytes: up to 1024 of padding (the layout
+/// starts 1024-aligned for the K tiles' swizzle), Q (`64 × 512` bf16), two K tiles (`64 × 512`
+/// bf16 each), P (`64 × 64` bf16), the tiles' validity flags (`2 × 64` i32) and the per-head
+/// exchange (`2 × 64` f32): 206 848 bytes.
+const WG_SHARED_BYTES: usize = 1024
+    + WG_HEADS * WG_HEAD_DIM * 2
     + 2 * WG_TILE * WG_HEAD_DIM * 2
     + WG_HEADS * WG_TILE * 2
     + 2 * WG_TILE * 4

@@ -302,6 +302,14 @@ __device__ __forceinline__ uint64_t hf_wgmma_desc(uint32_t smem_addr, uint32_t l
     return (uint64_t)((smem_addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo >> 4) & 0x3FFFu) << 16)
            | ((uint64_t)((sbo >> 4) & 0x3FFFu) << 32);
 }
+// The same for the 128-byte-swizzled layout (swizzle mode 1): rows of 128 bytes whose 16-byte
+// chunk c sits at chunk c ^ (address bits 7-9), so the operand's 1024-byte atoms must start
+// 1024-aligned. K-major: `sbo` the byte step between 8-row groups (`lbo` unused, pass 16), and a
+// k-step inside a 128-byte row advances the start address by its bytes. MN-major: `lbo` the byte
+// step between 64-element column blocks, `sbo` between 8-row groups along K.
+__device__ __forceinline__ uint64_t hf_wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
+    return hf_wgmma_desc(smem_addr, lbo, sbo) | (1ull << 62);
+}
 __device__ __forceinline__ void hf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void hf_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
