@@ -418,8 +418,8 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 // One cluster of blocks per (row, group of 64 heads) (block r of a cluster of ns takes the row's
 // tiles r, r + ns, ..), two warpgroups (256 threads) per block. Q of the 64 heads sits in
 // shared memory for the whole row; the row's entries (main, then extra) stream through two
-// cp.async-staged tiles of 64 entries. Q and P use the no-swizzle layout of 8 x 8 core matrices
-// (hf_wg_off), the K tiles the 128-byte swizzle (see the staging below). Per tile: (1) warpgroup w scores the tile's entries 32w..32w+31 against
+// cp.async-staged tiles of 64 entries. Q and the K tiles use the 128-byte swizzle (see the
+// staging below), P the no-swizzle layout of 8 x 8 core matrices (hf_wg_off). Per tile: (1) warpgroup w scores the tile's entries 32w..32w+31 against
 // all 64 heads (32 wgmma m64n32k16 over head_dim, Q and K from shared memory); (2) the row maxima
 // are exchanged through shared memory so both warpgroups keep the same running max; each rounds
 // its P to bf16 into a shared 64 x 64 tile and keeps its own running sum of the rounded P;
@@ -456,9 +456,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
                                                   uint32_t H, uint32_t S_main, uint32_t S_extra, uint32_t has_extra,
                                                   float scale) {
     constexpr uint32_t D = 512u, HB = HF_WG_HEADS, NT = HF_WG_NT, NTH = 256u;
-    constexpr uint32_t ROWB = D * 16u;                     // bytes per 8 rows of a D-wide tile
     constexpr uint32_t QB = HB * D * 2u, TB = NT * D * 2u, PB = HB * NT * 2u;
-    constexpr uint32_t PIECES = D / 8u;                    // 16-byte pieces per row
     constexpr uint32_t ATOM = NT * 128u;                   // bytes per 64-column block of a K tile
     constexpr uint32_t OST = D + 8u;                       // f32 row stride of O when published
     extern __shared__ __align__(1024) unsigned char hf_smem_wg[];
@@ -488,14 +486,16 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const uint32_t n = nm + ne, ntiles = (n + NT - 1u) / NT;
     const uint32_t nloc = ntiles > rank ? (ntiles - rank + ns - 1u) / ns : 0u;  // this block's tiles
 
-    // Piece p = i·NTH + tid of a [rows x D] tile lands at byte 16p of the K-major layout: row
-    // 8·(p / D) + p % 8, pieces (p / 8) % (D / 8). Q (heads past H are zero rows):
+    // Q in the K tiles' layout (below): thread t stages heads t / 8 + 32u of chunk t % 8 of every
+    // 64-column block (heads past H are zero rows).
 #pragma unroll
-    for (uint32_t i = 0; i < HB * PIECES / NTH; ++i) {
-        const uint32_t p = i * NTH + tid, r = (p / D) * 8u + (p & 7u), piece = (p >> 3) % PIECES;
-        const uint32_t h = hbase + r;
+    for (uint32_t u = 0; u < HB / 32u; ++u) {
+        const uint32_t r = (tid >> 3) + 32u * u, cq = tid & 7u, h = hbase + r;
         const bool ok = h < H;
-        hf_cp_async16(qs_a + p * 16u, q + (ok ? ((uint64_t)t * H + h) * D + piece * 8u : 0u), ok ? 16u : 0u);
+        const hf_bf16* src = q + (ok ? ((uint64_t)t * H + h) * D + cq * 8u : 0u);
+#pragma unroll
+        for (uint32_t a = 0; a < D / 64u; ++a)
+            hf_cp_async16(qs_a + a * (HB * 128u) + r * 128u + ((cq ^ (r & 7u)) << 4), src + (ok ? a * 64u : 0u), ok ? 16u : 0u);
     }
     // K tiles use the 128-byte-swizzled K-major layout: column block a (head_dim 64a .. 64a + 63)
     // of entry e sits at a·ATOM + 128·e, its 16-byte chunk c at chunk c ^ (e % 8). Eight threads
@@ -540,10 +540,11 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     for (uint32_t i = 0; i < D / 4u; ++i) o[i] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     const float scale2 = scale * HF_WG_LOG2E;
-    // Operand descriptors at k-step 0 of buffer 0: Q and P (no swizzle), this warpgroup's 32
-    // entries of K (K-major, 128-byte swizzle: 8-row groups 1024 bytes apart) and this warpgroup's
-    // half of V (the K tile read N-major: 64-column blocks ATOM bytes apart, 8-entry groups 1024).
-    const uint64_t dq0 = hf_wgmma_desc(qs_a, 128u, ROWB), dk0 = hf_wgmma_desc_sw128(ks_a + wg * 32u * 128u, 16u, 1024u);
+    // Operand descriptors at k-step 0 of buffer 0: Q and this warpgroup's 32 entries of K
+    // (K-major, 128-byte swizzle: 8-row groups 1024 bytes apart), P (no swizzle) and this
+    // warpgroup's half of V (the K tile read N-major: 64-column blocks ATOM bytes apart, 8-entry
+    // groups 1024).
+    const uint64_t dq0 = hf_wgmma_desc_sw128(qs_a, 16u, 1024u), dk0 = hf_wgmma_desc_sw128(ks_a + wg * 32u * 128u, 16u, 1024u);
     const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u), dv0 = hf_wgmma_desc_sw128(ks_a + wg * 4u * ATOM, ATOM, 1024u);
 
     for (uint32_t it = 0; it < nloc; ++it) {
@@ -558,14 +559,15 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         }
 
         // (1) S = Q · K^T for this warpgroup's 32 entries.
-        // Descriptors advance by their start address (bytes / 16): Q 256 bytes per k-step; K 32
-        // bytes within a 64-column block (the swizzle applies to the final address), ATOM across.
+        // Descriptors advance by their start address (bytes / 16): 32 bytes per k-step within a
+        // 64-column block (the swizzle applies to the final address), a block's bytes across.
         float s[16];
         const uint64_t dk = dk0 + (uint64_t)(b * (TB >> 4));
         hf_wgmma_fence();
 #pragma unroll
         for (uint32_t ks = 0; ks < D / 16u; ++ks)
-            hf_wgmma_m64n32k16(s, dq0 + ks * 16u, dk + (ks >> 2) * (ATOM >> 4) + (ks & 3u) * 2u, ks > 0u ? 1u : 0u);
+            hf_wgmma_m64n32k16(s, dq0 + (ks >> 2) * ((HB * 128u) >> 4) + (ks & 3u) * 2u,
+                               dk + (ks >> 2) * (ATOM >> 4) + (ks & 3u) * 2u, ks > 0u ? 1u : 0u);
         hf_wgmma_commit();
         hf_wgmma_wait<0>();
 

@@ -106,36 +106,44 @@ HF_KERNEL void hf_cluster_sum(const float* x, float* out, uint32_t cluster, uint
     if (threadIdx.x == 0 && b < n) out[b] = __int_as_float(0x7fc00000);
 #endif
 }
-// Warpgroup MMA with the no-swizzle operand layouts of portability.h (HF_HAS_WGMMA), one block of
-// 256 threads (two warpgroups) and 81920 bytes of dynamic shared memory: s [64, 64] = a · bkᵀ
+// Warpgroup MMA with the operand layouts of portability.h (HF_HAS_WGMMA), one block of 256 threads
+// (two warpgroups) and WGMMA_CHECK_SHARED_BYTES of dynamic shared memory: s [64, 64] = a · bkᵀ
 // (a [64, 64], bk [64, 64] whose rows are s's columns: K-major B, 32 columns per warpgroup) and
 // o [64, 512] = a · v (v [64, 512] whose rows run along K: N-major B, 256 columns per
-// warpgroup), f32. Operand element (r, k) of an R x K tile sits at byte
-// (r / 8)·16K + (k / 8)·128 + (r % 8)·16 + (k % 8)·2. Without warpgroup MMA, s and o are NaN.
-HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16* v, float* s, float* o) {
+// warpgroup), f32. `swizzle` 0: the no-swizzle layout, element (r, k) of an R x K tile at byte
+// (r / 8)·16K + (k / 8)·128 + (r % 8)·16 + (k % 8)·2. `swizzle` 1: the 128-byte swizzle, element
+// (r, k) at (k / 64)·128R + 128r + (((k % 64) / 8) ^ (r % 8))·16 + (k % 8)·2 from a 1024-aligned
+// base. Without warpgroup MMA, s and o are NaN.
+HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16* v, float* s, float* o,
+                              uint32_t swizzle) {
     const uint32_t tid = threadIdx.x;
 #if defined(HF_HAS_WGMMA)
-    extern __shared__ __align__(128) unsigned char hf_smem[];
+    extern __shared__ __align__(1024) unsigned char hf_smem_raw[];
+    unsigned char* hf_smem = hf_smem_raw + ((1024u - (hf_smem_addr(hf_smem_raw) & 1023u)) & 1023u);
     const uint32_t a_s = hf_smem_addr(hf_smem), b_s = a_s + 8192u, v_s = a_s + 16384u;
+    const bool sw = swizzle != 0u;
+    // Byte offset of (r, k) in an R x K tile.
+    auto off = [&](uint32_t r, uint32_t k, uint32_t R, uint32_t K) -> uint32_t {
+        return sw ? (k >> 6) * 128u * R + r * 128u + ((((k & 63u) >> 3) ^ (r & 7u)) << 4) + (k & 7u) * 2u
+                  : (r >> 3) * 16u * K + (k >> 3) * 128u + (r & 7u) * 16u + (k & 7u) * 2u;
+    };
     for (uint32_t i = tid; i < 64u * 64u; i += blockDim.x) {
-        const uint32_t r = i / 64u, k = i % 64u;
-        const uint32_t off = (r >> 3) * 1024u + (k >> 3) * 128u + (r & 7u) * 16u + (k & 7u) * 2u;
-        *(hf_bf16*)(hf_smem + off) = a[i];
-        *(hf_bf16*)(hf_smem + 8192u + off) = bk[i];
+        *(hf_bf16*)(hf_smem + off(i / 64u, i % 64u, 64u, 64u)) = a[i];
+        *(hf_bf16*)(hf_smem + 8192u + off(i / 64u, i % 64u, 64u, 64u)) = bk[i];
     }
-    for (uint32_t i = tid; i < 64u * 512u; i += blockDim.x) {
-        const uint32_t r = i / 512u, k = i % 512u;
-        *(hf_bf16*)(hf_smem + 16384u + (r >> 3) * 8192u + (k >> 3) * 128u + (r & 7u) * 16u + (k & 7u) * 2u) = v[i];
-    }
+    for (uint32_t i = tid; i < 64u * 512u; i += blockDim.x) *(hf_bf16*)(hf_smem + 16384u + off(i / 512u, i % 512u, 64u, 512u)) = v[i];
     hf_fence_proxy_async();
     __syncthreads();
     const uint32_t wg = tid >> 7, row = ((tid >> 5) & 3u) * 16u + ((tid & 31u) >> 2), col = 2u * (tid & 3u);
+    // K-major operands: a k-step is 256 bytes on (no swizzle) or 32 bytes inside the 128-byte row.
+    auto kmajor = [&](uint32_t base, uint32_t ks) -> uint64_t {
+        return sw ? hf_wgmma_desc_sw128(base + ks * 32u, 16u, 1024u) : hf_wgmma_desc(base + ks * 256u, 128u, 1024u);
+    };
     float acc[16];
     hf_wgmma_fence();
 #pragma unroll
     for (uint32_t ks = 0; ks < 4u; ++ks)
-        hf_wgmma_m64n32k16(acc, hf_wgmma_desc(a_s + ks * 256u, 128u, 1024u),
-                           hf_wgmma_desc(b_s + wg * 4u * 1024u + ks * 256u, 128u, 1024u), ks > 0u ? 1u : 0u);
+        hf_wgmma_m64n32k16(acc, kmajor(a_s, ks), kmajor(b_s + wg * (sw ? 32u * 128u : 4u * 1024u), ks), ks > 0u ? 1u : 0u);
     hf_wgmma_commit();
     hf_wgmma_wait<0>();
 #pragma unroll
@@ -146,9 +154,12 @@ HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16
     float acc2[128];
     hf_wgmma_fence();
 #pragma unroll
-    for (uint32_t kk = 0; kk < 4u; ++kk)
-        hf_wgmma_m64n256k16_tb(acc2, hf_wgmma_desc(a_s + kk * 256u, 128u, 1024u),
-                               hf_wgmma_desc(v_s + kk * 2u * 8192u + wg * 32u * 128u, 8192u, 128u), kk > 0u ? 1u : 0u);
+    for (uint32_t kk = 0; kk < 4u; ++kk) {
+        // N-major v: 16 rows of K per step; this warpgroup's 256 columns.
+        const uint64_t dv = sw ? hf_wgmma_desc_sw128(v_s + kk * 2u * 1024u + wg * 4u * 8192u, 8192u, 1024u)
+                               : hf_wgmma_desc(v_s + kk * 2u * 8192u + wg * 32u * 128u, 8192u, 128u);
+        hf_wgmma_m64n256k16_tb(acc2, kmajor(a_s, kk), dv, kk > 0u ? 1u : 0u);
+    }
     hf_wgmma_commit();
     hf_wgmma_wait<0>();
 #pragma unroll
@@ -247,7 +258,8 @@ fn row_sum_bf16(l: &CpuLaunch<'_>) -> Result<()> {
     out.write(0, &sums)
 }
 
-/// `hf_wgmma_check`'s definition: `s = a · bkᵀ` (`[64, 64]`) and `o = a · v` (`[64, 512]`) in f32.
+/// `hf_wgmma_check`'s definition: `s = a · bkᵀ` (`[64, 64]`) and `o = a · v` (`[64, 512]`) in f32
+/// (the same for every operand layout).
 fn wgmma_check(l: &CpuLaunch<'_>) -> Result<()> {
     let (a, bk, v) = (l.ptr::<bf16>(0)?.read(0, 64 * 64)?, l.ptr::<bf16>(1)?.read(0, 64 * 64)?, l.ptr::<bf16>(2)?);
     let v = v.read(0, 64 * 512)?;
@@ -258,8 +270,9 @@ fn wgmma_check(l: &CpuLaunch<'_>) -> Result<()> {
     l.ptr::<f32>(4)?.write(0, &o)
 }
 
-/// Dynamic shared memory `hf_wgmma_check` needs, bytes.
-pub const WGMMA_CHECK_SHARED_BYTES: u32 = (64 * 64 * 2 + 64 * 512) * 2;
+/// Dynamic shared memory `hf_wgmma_check` needs, bytes: its three operands and up to 1024 bytes
+/// of padding to a 1024-aligned base.
+pub const WGMMA_CHECK_SHARED_BYTES: u32 = (64 * 64 * 2 + 64 * 512) * 2 + 1024;
 
 /// The integer definition of the f32 → bf16 rounding (portability.h's `hf_f32_to_bf16_bits_soft`).
 fn bf16_bits_soft(u: u32) -> u16 {
@@ -290,8 +303,9 @@ fn bf16_round_check(l: &CpuLaunch<'_>) -> Result<()> {
 /// `hf_bf16_round_check` (the device's f32 → bf16 conversions, single and paired, against their
 /// integer definition over `hi_count · 2¹⁶` bit patterns from `hi_first << 16`; the CPU checks
 /// the definition against the `half` crate), `hf_cluster_sum` (clusters' shared memory) and
-/// `hf_wgmma_check` (warpgroup MMA's operand layouts: `[64, 64] · [64, 64]ᵀ` and
-/// `[64, 64] · [64, 512]` in f32, one block of 256 threads with [`WGMMA_CHECK_SHARED_BYTES`]).
+/// `hf_wgmma_check` (warpgroup MMA's operand layouts, no swizzle or the 128-byte swizzle by its
+/// `swizzle` argument: `[64, 64] · [64, 64]ᵀ` and `[64, 64] · [64, 512]` in f32, one block of 256
+/// threads with [`WGMMA_CHECK_SHARED_BYTES`]).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
@@ -365,6 +379,7 @@ pub fn source() -> &'static KernelSource {
                         Param::input::<bf16>("v"),
                         Param::output::<f32>("s"),
                         Param::output::<f32>("o"),
+                        Param::scalar("swizzle", ScalarKind::U32),
                     ],
                     cpu: wgmma_check,
                 },

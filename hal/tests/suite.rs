@@ -732,23 +732,28 @@ fn warpgroup_mma_layouts_match_the_definition(dev: &Device) {
     let ob = dev.alloc::<f32>("o", 64 * 512).expect("o");
     let cfg =
         LaunchConfig { grid: (1, 1, 1), block: (256, 1, 1), shared_mem_bytes: demo_kernels::WGMMA_CHECK_SHARED_BYTES };
-    let args: [Arg; 5] = [(&ab).into(), (&bb).into(), (&vb).into(), (&sb).into(), (&ob).into()];
-    s.launch(&kernel(dev, "hf_wgmma_check"), cfg, &args).expect("launch");
-    let (got_s, got_o) = (s.copy_to_host_sync(&sb.view()).expect("s"), s.copy_to_host_sync(&ob.view()).expect("o"));
-    if dev.backend() == BackendKind::Cuda && !dev.info().has_wgmma() {
-        assert!(got_s.iter().chain(&got_o).all(|x| x.is_nan()), "no warpgroup MMA: NaN");
-        eprintln!("skipped: {} ({}) has no warpgroup MMA", dev.info().name, dev.info().arch);
-        return;
-    }
-    let f = |x: &bf16| x.to_f32();
-    for r in 0..64 {
-        for n in 0..64 {
-            let want: f32 = (0..64).map(|k| f(&a[r * 64 + k]) * f(&bk[n * 64 + k])).sum();
-            assert_eq!(got_s[r * 64 + n], want, "a·bkᵀ at ({r}, {n}) (K-major B)");
+    // Both layouts: no swizzle, then the 128-byte swizzle.
+    for swizzle in [0u32, 1] {
+        s.memset(&sb.view(), 0xff).expect("poison s");
+        s.memset(&ob.view(), 0xff).expect("poison o");
+        let args: [Arg; 6] = [(&ab).into(), (&bb).into(), (&vb).into(), (&sb).into(), (&ob).into(), swizzle.into()];
+        s.launch(&kernel(dev, "hf_wgmma_check"), cfg, &args).expect("launch");
+        let (got_s, got_o) = (s.copy_to_host_sync(&sb.view()).expect("s"), s.copy_to_host_sync(&ob.view()).expect("o"));
+        if dev.backend() == BackendKind::Cuda && !dev.info().has_wgmma() {
+            assert!(got_s.iter().chain(&got_o).all(|x| x.is_nan()), "no warpgroup MMA: NaN");
+            eprintln!("skipped: {} ({}) has no warpgroup MMA", dev.info().name, dev.info().arch);
+            return;
         }
-        for n in 0..512 {
-            let want: f32 = (0..64).map(|k| f(&a[r * 64 + k]) * f(&v[k * 512 + n])).sum();
-            assert_eq!(got_o[r * 512 + n], want, "a·v at ({r}, {n}) (N-major B)");
+        let f = |x: &bf16| x.to_f32();
+        for r in 0..64 {
+            for n in 0..64 {
+                let want: f32 = (0..64).map(|k| f(&a[r * 64 + k]) * f(&bk[n * 64 + k])).sum();
+                assert_eq!(got_s[r * 64 + n], want, "a·bkᵀ at ({r}, {n}) (K-major B, swizzle {swizzle})");
+            }
+            for n in 0..512 {
+                let want: f32 = (0..64).map(|k| f(&a[r * 64 + k]) * f(&v[k * 512 + n])).sum();
+                assert_eq!(got_o[r * 512 + n], want, "a·v at ({r}, {n}) (N-major B, swizzle {swizzle})");
+            }
         }
     }
 }
