@@ -2,7 +2,10 @@
 //! attention kernels' copy pattern without their arithmetic: one block of 256 threads per row
 //! list of 8320 entries, tiles of 64 rows (padded to 1040 bytes) with one or two tiles in flight,
 //! staged either by `cp.async` (each warp copies 512 contiguous bytes per instruction) or by
-//! `cp.async.bulk` (one copy per row, completed on an mbarrier). Prints GB/s in all and per block
+//! `cp.async.bulk` (one copy per row, completed on an mbarrier); and, two tiles ahead, by
+//! `cp.async` in three other shapes per warp instruction: 8 rows × 64 bytes into contiguous
+//! shared memory, the same into pieces 128 bytes apart (the no-swizzle wgmma layout), and 4 rows ×
+//! 128 bytes. Prints GB/s in all and per block
 //! at 1, 64, 132 and 264 blocks. Needs an sm_90 GPU:
 //!
 //! ```text
@@ -52,6 +55,22 @@ HF_KERNEL void stage(const hf_bf16* cache, const int32_t* idx, const int32_t* in
                     bulk(base + buf * TILEB + r * ROWB, cache + (uint64_t)slot * 512u, 1024u, bar0 + buf * 8u);
                 }
             }
+        } else if (mode >= 2u) {
+            // Warp w stages rows 8w .. 8w + 7. Mode 2: 8 rows x 64 bytes per instruction, each row's
+            // pieces contiguous in shared memory; mode 3: the same reads, pieces 128 bytes apart
+            // (the no-swizzle core-matrix layout); mode 4: 4 rows x 128 bytes (whole lines).
+            const uint32_t lanes = mode == 4u ? 8u : 4u, r = warp * 8u + lane / lanes, p0 = lane % lanes;
+            for (uint32_t rq = 0; rq < (mode == 4u ? 2u : 1u); ++rq) {
+                const uint32_t row = r + rq * 4u;
+                const int32_t slot = idx[b0 + (int32_t)(tile * NT + row)];
+                for (uint32_t k = 0; k < 64u / lanes; ++k) {
+                    const uint32_t piece = p0 + lanes * k;
+                    const uint32_t dst = mode == 3u ? (row >> 3) * 8192u + piece * 128u + (row & 7u) * 16u
+                                                    : row * ROWB + piece * 16u;
+                    hf_cp_async16(base + buf * TILEB + dst, cache + (uint64_t)slot * 512u + piece * 8u, 16u);
+                }
+            }
+            hf_cp_async_commit();
         } else {
             for (uint32_t r = warp; r < NT; r += 8u) {
                 const int32_t slot = idx[b0 + (int32_t)(tile * NT + r)];
@@ -132,7 +151,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let out = dev.alloc_zeroed::<f32>("out", rows_max, true)?;
     for rows in [1usize, 64, 132, 264] {
         // mode 0: cp.async; mode 1: cp.async.bulk. Three 66.5 KB buffers at most fit in 227 KiB.
-        for (mode, ahead) in [(0u32, 1u32), (0, 2), (1, 1), (1, 2)] {
+        // Modes 2-4 (cp.async, two tiles ahead): the same bytes in other per-instruction shapes.
+        for (mode, ahead) in [(0u32, 1u32), (0, 2), (1, 1), (1, 2), (2, 2), (3, 2), (4, 2)] {
             let cfg = LaunchConfig {
                 grid: (rows as u32, 1, 1),
                 block: (256, 1, 1),
@@ -159,9 +179,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             let us = t.elapsed().as_secs_f64() * 1e6 / 5.0;
             let bytes = (rows * (per_row / 64 * 64) * 1024) as f64;
             println!(
-                "{} blocks, {:14}, {ahead} tile(s) ahead: {us:8.1} µs, {:7.1} GB/s, {:5.1} GB/s per block",
+                "{} blocks, {:16}, {ahead} tile(s) ahead: {us:8.1} µs, {:7.1} GB/s, {:5.1} GB/s per block",
                 rows,
-                if mode == 1 { "cp.async.bulk" } else { "cp.async" },
+                ["cp.async", "cp.async.bulk", "8 rows x 64 B", "64 B, 128 apart", "4 rows x 128 B"][mode as usize],
                 bytes / us / 1e3,
                 bytes / us / 1e3 / rows as f64
             );
