@@ -419,7 +419,8 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 // tiles r, r + ns, ..), two warpgroups (256 threads) per block. Q of the 64 heads sits in
 // shared memory for the whole row; the row's entries (main, then extra) stream through two
 // cp.async-staged tiles of 64 entries. Q and the K tiles use the 128-byte swizzle (see the
-// staging below), P the no-swizzle layout of 8 x 8 core matrices (hf_wg_off). Per tile: (1) warpgroup w scores the tile's entries 32w..32w+31 against
+// staging below), P the no-swizzle layout of 8 x 8 core matrices (hf_wg_off). Per tile:
+// (1) warpgroup w scores the tile's entries 32w..32w+31 against
 // all 64 heads (32 wgmma m64n32k16 over head_dim, Q and K from shared memory); (2) the row maxima
 // are exchanged through shared memory so both warpgroups keep the same running max; each rounds
 // its P to bf16 into a shared 64 x 64 tile and keeps its own running sum of the rounded P;

@@ -380,18 +380,22 @@ __device__ __forceinline__ uint32_t hf_cluster_blocks() {
 __device__ __forceinline__ void hf_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
-// The f32 at shared-memory pointer p (of this block's shared memory) in block `rank` of the cluster.
-__device__ __forceinline__ float hf_cluster_load_f32(const float* p, uint32_t rank) {
+// The cluster address of shared-memory pointer p (of this block's shared memory) in block `rank`.
+__device__ __forceinline__ uint32_t hf_cluster_map(const void* p, uint32_t rank) {
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(hf_smem_addr(p)), "r"(rank));
+    return remote;
+}
+// The f32 at shared-memory pointer p (of this block's shared memory) in block `rank` of the cluster.
+__device__ __forceinline__ float hf_cluster_load_f32(const float* p, uint32_t rank) {
+    const uint32_t remote = hf_cluster_map(p, rank);
     float v;
     asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
     return v;
 }
 // The four f32 at 16-byte-aligned shared-memory pointer p in block `rank` of the cluster.
 __device__ __forceinline__ float4 hf_cluster_load_f32x4(const float* p, uint32_t rank) {
-    uint32_t remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(hf_smem_addr(p)), "r"(rank));
+    const uint32_t remote = hf_cluster_map(p, rank);
     float4 v;
     asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
                  : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
