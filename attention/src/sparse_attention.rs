@@ -1058,7 +1058,8 @@ pub struct SparseAttention {
     mma: Option<[Kernel; 3]>,
     /// The warpgroup entry, when selected ([`AttentionKernel::Warpgroup`]).
     wg: Option<Kernel>,
-    /// Blocks (one cluster) sharing each row of the warpgroup kernel ([`WG_SPLITS`]).
+    /// Blocks (one cluster) sharing each row of the warpgroup kernel ([`WG_SPLITS`]); 1 without it
+    /// (only [`SparseAttention::with_warpgroup_split`] changes it, and only with `wg`).
     wg_split: usize,
 }
 
@@ -1149,16 +1150,14 @@ impl SparseAttention {
             wg,
             wg_split: 1,
         };
-        if k.wg.is_none() {
-            return Ok(k);
+        // The warpgroup kernel starts at the default split where the device runs its clusters,
+        // else at none (a fixed choice per device, never per batch).
+        if k.wg.is_some() {
+            if let Ok(split) = k.clone().with_warpgroup_split(dev, WG_DEFAULT_SPLIT) {
+                return Ok(split);
+            }
         }
-        // The default split where the device runs its clusters, else none (a fixed choice per
-        // device, never per batch).
-        match k.clone().with_warpgroup_split(dev, WG_DEFAULT_SPLIT) {
-            Ok(split) => Ok(split),
-            Err(_) if WG_DEFAULT_SPLIT > 1 => Ok(k),
-            Err(e) => Err(e),
-        }
+        Ok(k)
     }
 
     /// The warpgroup kernel with each (row, group of 64 heads) shared by a cluster of `split`
@@ -1194,11 +1193,7 @@ impl SparseAttention {
 
     /// Blocks sharing each row of the warpgroup kernel (1 for the other kernels).
     pub fn warpgroup_split(&self) -> usize {
-        if self.wg.is_some() {
-            self.wg_split
-        } else {
-            1
-        }
+        self.wg_split
     }
 
     /// True when [`SparseAttention::attend`] runs a tensor-core kernel (`mma.sync` or warpgroup).
