@@ -553,13 +553,8 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         hf_cp_async_wait<0>();
         hf_fence_proxy_async();
         __syncthreads();  // local tile `it` (and Q) visible; everyone done with buffer b ^ 1 and P
-        if (it + 1u < nloc) stage(rank + (it + 1u) * ns, b ^ 1u, sl0, sl1);
-        if (it + 2u < nloc) {  // lands while this tile computes
-            sl0 = fetch(rank + (it + 2u) * ns, 0u);
-            sl1 = fetch(rank + (it + 2u) * ns, 1u);
-        }
-
-        // (1) S = Q · K^T for this warpgroup's 32 entries.
+        // (1) S = Q · K^T for this warpgroup's 32 entries, issued before the next tile's copies so
+        // that they are issued while the tensor cores run it.
         // Descriptors advance by their start address (bytes / 16): 32 bytes per k-step within a
         // 64-column block (the swizzle applies to the final address), a block's bytes across.
         float s[16];
@@ -570,6 +565,11 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
             hf_wgmma_m64n32k16(s, dq0 + (ks >> 2) * ((HB * 128u) >> 4) + (ks & 3u) * 2u,
                                dk + (ks >> 2) * (ATOM >> 4) + (ks & 3u) * 2u, ks > 0u ? 1u : 0u);
         hf_wgmma_commit();
+        if (it + 1u < nloc) stage(rank + (it + 1u) * ns, b ^ 1u, sl0, sl1);
+        if (it + 2u < nloc) {  // lands while this tile computes
+            sl0 = fetch(rank + (it + 2u) * ns, 0u);
+            sl1 = fetch(rank + (it + 2u) * ns, 1u);
+        }
         hf_wgmma_wait<0>();
 
         // (2) masked, scaled scores in base 2 (s·scale·log2 e + bias); row maxima over both
