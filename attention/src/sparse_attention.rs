@@ -419,17 +419,18 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 // tiles r, r + ns, ..), two warpgroups (256 threads) per block. Q of the 64 heads sits in
 // shared memory for the whole row; the row's entries (main, then extra) stream through two
 // cp.async-staged tiles of 64 entries. Q and the K tiles use the 128-byte swizzle (see the
-// staging below), P the no-swizzle layout of 8 x 8 core matrices (hf_wg_off). Per tile:
-// (1) warpgroup w scores the tile's entries 32w..32w+31 against
-// all 64 heads (32 wgmma m64n32k16 over head_dim, Q and K from shared memory); (2) the row maxima
-// are exchanged through shared memory so both warpgroups keep the same running max; each rounds
-// its P to bf16 into a shared 64 x 64 tile and keeps its own running sum of the rounded P;
-// (3) warpgroup w accumulates O[:, 256w..256w+255] += P · V with four wgmma m64n256k16 (V is the
-// K tile read N-major). The two running sums are added at the end (warpgroup 0's first). Every
-// output element's arithmetic depends on its own row and head only.
+// staging below), P the no-swizzle layout of 8 x 8 core matrices (hf_wg_off). The warpgroups
+// take turns: per tile, warpgroup 0 (1) scores all 64 entries against the 64 heads (32 wgmma
+// m64n64k16 over head_dim, Q and K from shared memory), (2) keeps the row maxima and the running
+// sums of the rounded P (a row's 64 entries sit in the four lanes of a quad) and writes P
+// (bf16) and the rescale factors, then (3) accumulates O[:, 0..255] += P · V with four wgmma
+// m64n256k16 (V is the K tile read N-major); warpgroup 1 rescales and accumulates O[:, 256..511]
+// from the same P while warpgroup 0 scores the next tile, and stages the tiles after the first.
+// Every output element's arithmetic depends on its own row and head only.
 #define HF_WG_HEADS 64
 #define HF_WG_NT 64
 #define HF_WG_MAX_SPLIT 8
+#define HF_WG_MBARS 7  // KREADY, PFULL, KFREE (pairs) and WG0
 
 #if defined(HF_HAS_WGMMA)
 #define HF_ATTN_WG 1
@@ -469,10 +470,10 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const uint32_t ns = hf_cluster_blocks(), rank = hf_cluster_rank(), cta = blockIdx.x / ns;
     const uint32_t t = cta / groups, hbase = (cta % groups) * HB;
     if (t >= T) return;  // the whole cluster: its blocks share the row
-    float* bias = (float*)(hf_smem + QB + 2u * TB + PB);  // [2][NT]: 0, or -inf for a skipped entry
+    float* bias = (float*)(hf_smem + QB + 2u * TB + 2u * PB);  // [2][NT]: 0, or -inf for a skipped entry
     float* red = bias + 2u * NT;                           // [2][HB]
     const uint32_t qs_a = hf_smem_addr(hf_smem), ks_a = qs_a + QB, ps_a = ks_a + 2u * TB;
-    unsigned char* ps = hf_smem + QB + 2u * TB;
+    unsigned char* ps = hf_smem + QB + 2u * TB;  // [2] P tiles
 
     // The warpgroup index through a shuffle, so the compiler sees it uniform across the warp and
     // keeps the operand descriptors in uniform registers.
@@ -500,168 +501,229 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     }
     // K tiles use the 128-byte-swizzled K-major layout: column block a (head_dim 64a .. 64a + 63)
     // of entry e sits at a·ATOM + 128·e, its 16-byte chunk c at chunk c ^ (e % 8). Eight threads
-    // stage each entry, thread t taking entries t / 8 and t / 8 + 32 and chunk t % 8 of every
-    // block, so a warp's copy reads four whole 128-byte lines and writes 512 contiguous bytes
-    // (one 32-byte sector per pair of threads at both ends). The slots of a thread's entries (-1
-    // past the list) are plain loads fetched a tile ahead, so staging never waits on them.
-    const uint32_t se = tid >> 3, c8 = tid & 7u;
-    auto fetch = [&](uint32_t tile, uint32_t u) -> int32_t {
-        const uint32_t j = tile * NT + se + 32u * u;
+    // stage each entry (chunk k % 8 of every column block for thread k), so a warp's copy reads
+    // four whole 128-byte lines and writes 512 contiguous bytes. The first tile is staged by the
+    // whole block (entries k / 8 and k / 8 + 32 of thread k), every later one by warpgroup 1
+    // (entries k / 8 + 16u, u < 4, of its thread k). The slots (-1 past the list) are plain loads
+    // fetched a tile ahead, so staging never waits on them.
+    auto fetch = [&](uint32_t tile, uint32_t e) -> int32_t {
+        const uint32_t j = tile * NT + e;
         const int32_t* at = j < nm ? main_idx + mb + (int32_t)j : extra_idx + eb + (int32_t)(j - nm);
         return j < n ? *at : -1;
     };
-    // Tile `tile` into buffer `b` from the fetched slots (an invalid or missing entry is a zero row
-    // with bias -inf); commits.
-    auto stage = [&](uint32_t tile, uint32_t b, int32_t s0, int32_t s1) {
+    // Entry e of tile `tile` into buffer `b` (an invalid or missing entry is a zero row with bias
+    // -inf), chunk c8 of every column block.
+    auto stage_entry = [&](uint32_t tile, uint32_t b, uint32_t e, uint32_t c8, int32_t slot) {
+        const uint32_t j = tile * NT + e;
+        const bool in_main = j < nm;
+        const bool ok = j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra);
+        const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D + c8 * 8u : 0u);
+        const uint32_t dst = ks_a + b * TB + e * 128u + ((c8 ^ (e & 7u)) << 4), bytes = ok ? 16u : 0u;
+        const uint32_t step = ok ? 64u : 0u;
 #pragma unroll
-        for (uint32_t u = 0; u < 2u; ++u) {
-            const uint32_t e = se + 32u * u, j = tile * NT + e;
-            const int32_t slot = u ? s1 : s0;
-            const bool in_main = j < nm;
-            const bool ok = j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra);
-            const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D + c8 * 8u : 0u);
-            const uint32_t dst = ks_a + b * TB + e * 128u + ((c8 ^ (e & 7u)) << 4), bytes = ok ? 16u : 0u;
-            const uint32_t step = ok ? 64u : 0u;
-#pragma unroll
-            for (uint32_t a = 0; a < D / 64u; ++a) hf_cp_async16(dst + a * ATOM, src + a * step, bytes);
-            if (c8 == 0u) bias[b * NT + e] = ok ? 0.0f : NEG_INF;
-        }
-        hf_cp_async_commit();
+        for (uint32_t a = 0; a < D / 64u; ++a) hf_cp_async16(dst + a * ATOM, src + a * step, bytes);
+        if (c8 == 0u) bias[b * NT + e] = ok ? 0.0f : NEG_INF;
     };
-    int32_t sl0 = fetch(rank, 0u), sl1 = fetch(rank, 1u);
-    if (nloc > 0u) stage(rank, 0u, sl0, sl1);
-    else hf_cp_async_commit();
-    if (nloc > 1u) {
-        sl0 = fetch(rank + ns, 0u);
-        sl1 = fetch(rank + ns, 1u);
+    if (nloc > 0u) {
+        const uint32_t se = tid >> 3;
+        const int32_t s0 = fetch(rank, se), s1 = fetch(rank, se + 32u);
+        stage_entry(rank, 0u, se, tid & 7u, s0);
+        stage_entry(rank, 0u, se + 32u, tid & 7u, s1);
     }
+    hf_cp_async_commit();
+    // The warpgroups' hand-offs (below): mbarriers of 128 arrivals each.
+    const uint32_t mbar = hf_smem_addr(red + 2u * HB);
+    if (tid == 0u) {
+#pragma unroll
+        for (uint32_t i = 0; i < HF_WG_MBARS; ++i) hf_mbar_init(mbar + 8u * i, 128u);
+    }
+    hf_cp_async_wait<0>();
+    hf_fence_proxy_async();
+    __syncthreads();  // Q and the first tile visible; the mbarriers initialised
 
     float o[D / 2u / 2u];  // 64 x 256 f32 accumulators of this warpgroup's half of head_dim
 #pragma unroll
     for (uint32_t i = 0; i < D / 4u; ++i) o[i] = 0.0f;
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
-    const float scale2 = scale * HF_WG_LOG2E;
-    // Operand descriptors at k-step 0 of buffer 0: Q and this warpgroup's 32 entries of K
-    // (K-major, 128-byte swizzle: 8-row groups 1024 bytes apart), P (no swizzle) and this
-    // warpgroup's half of V (the K tile read N-major: 64-column blocks ATOM bytes apart, 8-entry
-    // groups 1024).
-    const uint64_t dq0 = hf_wgmma_desc_sw128(qs_a, 16u, 1024u), dk0 = hf_wgmma_desc_sw128(ks_a + wg * 32u * 128u, 16u, 1024u);
+    // Operand descriptors at k-step 0 of buffer 0: Q and the K tile (K-major, 128-byte swizzle:
+    // 8-row groups 1024 bytes apart), P (no swizzle) and this warpgroup's half of V (the K tile
+    // read N-major: 64-column blocks ATOM bytes apart, 8-entry groups 1024).
     const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u), dv0 = hf_wgmma_desc_sw128(ks_a + wg * 4u * ATOM, ATOM, 1024u);
 
-    for (uint32_t it = 0; it < nloc; ++it) {
-        const uint32_t b = it & 1u;
-        hf_cp_async_wait<0>();
-        hf_fence_proxy_async();
-        __syncthreads();  // local tile `it` (and Q) visible; everyone done with buffer b ^ 1 and P
-        // (1) S = Q · K^T for this warpgroup's 32 entries, issued before the next tile's copies so
-        // that they are issued while the tensor cores run it.
-        // Descriptors advance by their start address (bytes / 16): 32 bytes per k-step within a
-        // 64-column block (the swizzle applies to the final address), a block's bytes across.
-        float s[16];
-        const uint64_t dk = dk0 + (uint64_t)(b * (TB >> 4));
-        hf_wgmma_fence();
+    // The two warpgroups in turn. Warpgroup 0 scores each whole tile (S = Q · K^T, 32 wgmma
+    // m64n64k16), keeps the row maxima and sums (a row's 64 entries sit in the four lanes of a
+    // quad), writes P (bf16) and the rescale factors, then accumulates its half of O. Warpgroup 1
+    // accumulates the other half of O from the same P and stages the tiles after the first. The
+    // hand-offs are mbarriers of 128 arrivals, a pair per signal by parity (so neither side runs
+    // two phases ahead on one): KREADY (a tile's copies landed: 1 arrives, 0 waits; pair index
+    // and phase from tile - 1), PFULL (P and factors written: 0 arrives, 1 waits), KFREE
+    // (warpgroup 0 done with a buffer: 0 arrives, 1 waits before staging into it), and WG0
+    // (warpgroup 0's own P written, before its P · V). A tile's pair is tile % 2 and its phase
+    // parity (tile / 2) % 2. P and the factors are double-buffered: warpgroup 0 rewrites those
+    // of tile it only after KREADY of tile it + 2, which warpgroup 1 gives after its P · V of it.
+    const uint32_t BAR_KREADY = mbar, BAR_PFULL = mbar + 16u, BAR_KFREE = mbar + 32u, BAR_WG0 = mbar + 48u;
+    float* corr_s = red;  // [2][HB]: the rescale factors of the tile of each parity
+    if (wg == 0u) {
+        const float scale2 = scale * HF_WG_LOG2E;
+        const uint64_t dq0 = hf_wgmma_desc_sw128(qs_a, 16u, 1024u), dk0 = hf_wgmma_desc_sw128(ks_a, 16u, 1024u);
+        for (uint32_t it = 0; it < nloc; ++it) {
+            const uint32_t b = it & 1u;
+            if (it > 0u) hf_mbar_wait(BAR_KREADY + 8u * ((it - 1u) & 1u), ((it - 1u) >> 1) & 1u);
+            // (1) S = Q · K^T over the tile's 64 entries. Descriptors advance by their start
+            // address (bytes / 16): 32 bytes per k-step within a 64-column block (the swizzle
+            // applies to the final address), a block's bytes across.
+            float s[32];
+            const uint64_t dk = dk0 + (uint64_t)(b * (TB >> 4));
+            hf_wgmma_fence();
 #pragma unroll
-        for (uint32_t ks = 0; ks < D / 16u; ++ks)
-            hf_wgmma_m64n32k16(s, dq0 + (ks >> 2) * ((HB * 128u) >> 4) + (ks & 3u) * 2u,
-                               dk + (ks >> 2) * (ATOM >> 4) + (ks & 3u) * 2u, ks > 0u ? 1u : 0u);
-        hf_wgmma_commit();
-        if (it + 1u < nloc) stage(rank + (it + 1u) * ns, b ^ 1u, sl0, sl1);
-        if (it + 2u < nloc) {  // lands while this tile computes
-            sl0 = fetch(rank + (it + 2u) * ns, 0u);
-            sl1 = fetch(rank + (it + 2u) * ns, 1u);
-        }
-        hf_wgmma_wait<0>();
+            for (uint32_t ks = 0; ks < D / 16u; ++ks)
+                hf_wgmma_m64n64k16(s, dq0 + (ks >> 2) * ((HB * 128u) >> 4) + (ks & 3u) * 2u,
+                                   dk + (ks >> 2) * (ATOM >> 4) + (ks & 3u) * 2u, ks > 0u ? 1u : 0u);
+            hf_wgmma_commit();
+            hf_wgmma_wait<0>();
 
-        // (2) masked, scaled scores in base 2 (s·scale·log2 e + bias); row maxima over both
-        // warpgroups; P in bf16.
-        const float* vb = bias + b * NT + wg * 32u;
-        float mx0 = NEG_INF, mx1 = NEG_INF;
+            // (2) masked, scaled scores in base 2 (s·scale·log2 e + bias); row maxima; P in bf16.
+            const float* vb = bias + b * NT;
+            float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
-        for (uint32_t j = 0; j < 4u; ++j) {
-            const float2 bb = *(const float2*)(vb + j * 8u + 2u * c);
+            for (uint32_t j = 0; j < 8u; ++j) {
+                const float2 bb = *(const float2*)(vb + j * 8u + 2u * c);
 #pragma unroll
-            for (uint32_t u = 0; u < 2u; ++u) {
-                const float bu = u ? bb.y : bb.x;
-                s[j * 4u + u] = fmaf(s[j * 4u + u], scale2, bu);
-                s[j * 4u + 2u + u] = fmaf(s[j * 4u + 2u + u], scale2, bu);
-                mx0 = fmaxf(mx0, s[j * 4u + u]);
-                mx1 = fmaxf(mx1, s[j * 4u + 2u + u]);
+                for (uint32_t u = 0; u < 2u; ++u) {
+                    const float bu = u ? bb.y : bb.x;
+                    s[j * 4u + u] = fmaf(s[j * 4u + u], scale2, bu);
+                    s[j * 4u + 2u + u] = fmaf(s[j * 4u + 2u + u], scale2, bu);
+                    mx0 = fmaxf(mx0, s[j * 4u + u]);
+                    mx1 = fmaxf(mx1, s[j * 4u + 2u + u]);
+                }
+            }
+            mx0 = fmaxf(mx0, hf_shfl_xor(mx0, 1));
+            mx0 = fmaxf(mx0, hf_shfl_xor(mx0, 2));
+            mx1 = fmaxf(mx1, hf_shfl_xor(mx1, 1));
+            mx1 = fmaxf(mx1, hf_shfl_xor(mx1, 2));
+            const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+            // With a finite reference (0 while nothing is valid yet), e^(-inf - ref) = 0 covers
+            // the masked entries and the empty start without branches.
+            const float f0 = n0 == NEG_INF ? 0.0f : n0, f1 = n1 == NEG_INF ? 0.0f : n1;
+            const float corr0 = hf_wg_exp2(m0 - f0), corr1 = hf_wg_exp2(m1 - f1);
+            unsigned char* pb = ps + b * PB;
+            float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+            for (uint32_t j = 0; j < 8u; ++j) {
+                const uint32_t e = j * 8u + 2u * c;
+                const float a0 = hf_wg_exp2(s[j * 4u] - f0), a1 = hf_wg_exp2(s[j * 4u + 1u] - f0);
+                const float b0 = hf_wg_exp2(s[j * 4u + 2u] - f1), b1 = hf_wg_exp2(s[j * 4u + 3u] - f1);
+                const hf_bf16 qa0 = hf_f32_to_bf16(a0), qa1 = hf_f32_to_bf16(a1);
+                const hf_bf16 qb0 = hf_f32_to_bf16(b0), qb1 = hf_f32_to_bf16(b1);
+                rs0 += hf_bf16_to_f32(qa0);
+                rs0 += hf_bf16_to_f32(qa1);
+                rs1 += hf_bf16_to_f32(qb0);
+                rs1 += hf_bf16_to_f32(qb1);
+                *(uint32_t*)(pb + hf_wg_off(r0, e, NT)) = (uint32_t)qa0.bits | ((uint32_t)qa1.bits << 16);
+                *(uint32_t*)(pb + hf_wg_off(r1, e, NT)) = (uint32_t)qb0.bits | ((uint32_t)qb1.bits << 16);
+            }
+            if (c == 0u) {
+                corr_s[b * HB + r0] = corr0;
+                corr_s[b * HB + r1] = corr1;
+            }
+            hf_fence_proxy_async();
+            hf_mbar_arrive(BAR_PFULL + 8u * b);  // P and factors of tile it, to warpgroup 1
+            rs0 += hf_shfl_xor(rs0, 1);
+            rs0 += hf_shfl_xor(rs0, 2);
+            rs1 += hf_shfl_xor(rs1, 1);
+            rs1 += hf_shfl_xor(rs1, 2);
+            l0 = l0 * corr0 + rs0;
+            l1 = l1 * corr1 + rs1;
+            m0 = n0;
+            m1 = n1;
+            // O·corr, skipped by warps whose every corr is 1 (the maximum did not move):
+            // multiplying by 1 changes no bit, so the skip changes none either.
+            if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
+#pragma unroll
+                for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
+            }
+            hf_mbar_arrive(BAR_WG0);
+            hf_mbar_wait(BAR_WG0, it & 1u);  // P of the whole warpgroup written
+
+            // (3) O[:, 0 .. 256] += P · V (V = the K tile, N-major).
+            const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4)), dp = dp0 + (uint64_t)(b * (PB >> 4));
+            hf_wgmma_fence();
+#pragma unroll
+            for (uint32_t kk = 0; kk < NT / 16u; ++kk)
+                hf_wgmma_m64n256k16_tb(o, dp + kk * 16u, dv + kk * (2048u >> 4), 1u);
+            hf_wgmma_commit();
+            hf_wgmma_wait<0>();
+            if (it + 2u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * b);
+        }
+    } else {
+        const uint32_t u1 = tid - 128u, se = u1 >> 3, c8 = u1 & 7u;
+        int32_t sl[4];
+        if (nloc > 1u) {
+#pragma unroll
+            for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + ns, se + 16u * u);
+#pragma unroll
+            for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + ns, 1u, se + 16u * u, c8, sl[u]);
+        }
+        hf_cp_async_commit();
+        if (nloc > 2u) {
+#pragma unroll
+            for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + 2u * ns, se + 16u * u);
+        }
+        for (uint32_t it = 0; it < nloc; ++it) {
+            const uint32_t b = it & 1u;
+            // Tile it + 1 (staged a tile ago) to warpgroup 0 as soon as it landed.
+            if (it + 1u < nloc) {
+                hf_cp_async_wait<0>();
+                hf_fence_proxy_async();
+                hf_mbar_arrive(BAR_KREADY + 8u * b);  // tile it + 1: pair it % 2, phase it / 2
+            }
+            hf_mbar_wait(BAR_PFULL + 8u * b, (it >> 1) & 1u);
+            const float corr0 = corr_s[b * HB + r0], corr1 = corr_s[b * HB + r1];
+            if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
+#pragma unroll
+                for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
+            }
+            // (3) O[:, 256 .. 512] += P · V.
+            const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4)), dp = dp0 + (uint64_t)(b * (PB >> 4));
+            hf_wgmma_fence();
+#pragma unroll
+            for (uint32_t kk = 0; kk < NT / 16u; ++kk)
+                hf_wgmma_m64n256k16_tb(o, dp + kk * 16u, dv + kk * (2048u >> 4), 1u);
+            hf_wgmma_commit();
+            hf_wgmma_wait<0>();
+            if (it + 2u < nloc) {  // tile it + 2 into buffer b once warpgroup 0 is done with it
+                hf_mbar_wait(BAR_KFREE + 8u * b, (it >> 1) & 1u);
+#pragma unroll
+                for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + (it + 2u) * ns, b, se + 16u * u, c8, sl[u]);
+                hf_cp_async_commit();
+                if (it + 3u < nloc) {
+#pragma unroll
+                    for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + (it + 3u) * ns, se + 16u * u);
+                }
             }
         }
-        mx0 = fmaxf(mx0, hf_shfl_xor(mx0, 1));
-        mx0 = fmaxf(mx0, hf_shfl_xor(mx0, 2));
-        mx1 = fmaxf(mx1, hf_shfl_xor(mx1, 1));
-        mx1 = fmaxf(mx1, hf_shfl_xor(mx1, 2));
-        if (c == 0u) {
-            red[wg * HB + r0] = mx0;
-            red[wg * HB + r1] = mx1;
-        }
-        __syncthreads();
-        const float n0 = fmaxf(m0, fmaxf(red[r0], red[HB + r0]));
-        const float n1 = fmaxf(m1, fmaxf(red[r1], red[HB + r1]));
-        // With a finite reference (0 while nothing is valid yet), e^(-inf - ref) = 0 covers the
-        // masked entries and the empty start without branches.
-        const float f0 = n0 == NEG_INF ? 0.0f : n0, f1 = n1 == NEG_INF ? 0.0f : n1;
-        const float corr0 = hf_wg_exp2(m0 - f0), corr1 = hf_wg_exp2(m1 - f1);
-        float rs0 = 0.0f, rs1 = 0.0f;
-#pragma unroll
-        for (uint32_t j = 0; j < 4u; ++j) {
-            const uint32_t e = wg * 32u + j * 8u + 2u * c;
-            const float a0 = hf_wg_exp2(s[j * 4u] - f0), a1 = hf_wg_exp2(s[j * 4u + 1u] - f0);
-            const float b0 = hf_wg_exp2(s[j * 4u + 2u] - f1), b1 = hf_wg_exp2(s[j * 4u + 3u] - f1);
-            const hf_bf16 qa0 = hf_f32_to_bf16(a0), qa1 = hf_f32_to_bf16(a1);
-            const hf_bf16 qb0 = hf_f32_to_bf16(b0), qb1 = hf_f32_to_bf16(b1);
-            rs0 += hf_bf16_to_f32(qa0);
-            rs0 += hf_bf16_to_f32(qa1);
-            rs1 += hf_bf16_to_f32(qb0);
-            rs1 += hf_bf16_to_f32(qb1);
-            *(uint32_t*)(ps + hf_wg_off(r0, e, NT)) = (uint32_t)qa0.bits | ((uint32_t)qa1.bits << 16);
-            *(uint32_t*)(ps + hf_wg_off(r1, e, NT)) = (uint32_t)qb0.bits | ((uint32_t)qb1.bits << 16);
-        }
-        rs0 += hf_shfl_xor(rs0, 1);
-        rs0 += hf_shfl_xor(rs0, 2);
-        rs1 += hf_shfl_xor(rs1, 1);
-        rs1 += hf_shfl_xor(rs1, 2);
-        l0 = l0 * corr0 + rs0;
-        l1 = l1 * corr1 + rs1;
-        m0 = n0;
-        m1 = n1;
-        // O·corr, skipped by warps whose every corr is 1 (the maximum did not move): multiplying by 1
-        // changes no bit, so the skip changes none either.
-        if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
-#pragma unroll
-            for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
-        }
-        hf_fence_proxy_async();
-        __syncthreads();  // P of both warpgroups complete
-
-        // (3) O[:, 256·wg ..] += P · V (V = the K tile, N-major).
-        const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4));
-        hf_wgmma_fence();
-#pragma unroll
-        for (uint32_t kk = 0; kk < NT / 16u; ++kk)
-            hf_wgmma_m64n256k16_tb(o, dp0 + kk * 16u, dv + kk * (2048u >> 4), 1u);
-        hf_wgmma_commit();
-        hf_wgmma_wait<0>();
     }
     hf_cp_async_wait<0>();
 
-    // Sink and normalisation with l = l(warpgroup 0) + l(warpgroup 1).
+    // Sink and normalisation with warpgroup 0's running maxima and sums.
     __syncthreads();  // every MMA of both warpgroups is done with K and P
-    if (c == 0u) {
-        red[wg * HB + r0] = l0;
-        red[wg * HB + r1] = l1;
+    float* ms = bias;  // [HB] maxima (the validity flags are no longer read)
+    if (wg == 0u && c == 0u) {
+        ms[r0] = m0;
+        ms[r1] = m1;
+        red[r0] = l0;
+        red[r1] = l1;
     }
+    __syncthreads();
     if (ns == 1u) {
-        __syncthreads();
 #pragma unroll
         for (uint32_t half = 0; half < 2u; ++half) {
             const uint32_t hr = half ? r1 : r0, h = hbase + hr;
             if (h >= H) continue;
-            const float m = half ? m1 : m0, sk = sink[h] * HF_WG_LOG2E;
+            const float m = ms[hr], sk = sink[h] * HF_WG_LOG2E;
             const float mn = fmaxf(m, sk);
             const float corr = m == NEG_INF ? 0.0f : hf_wg_exp2(m - mn);
-            const float lp = (red[hr] + red[HB + hr]) * corr + hf_wg_exp2(sk - mn);
+            const float lp = red[hr] * corr + hf_wg_exp2(sk - mn);
             const float f = lp > 0.0f ? corr / fmaxf(lp, 1e-30f) : 0.0f;
             uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + wg * (D / 2u) + 2u * c);
 #pragma unroll
@@ -670,14 +732,9 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         }
         return;
     }
-    // A split row: every block publishes its maxima (over the bias flags), its running sums
-    // (over `red`) and its O in f32 (rows of OST floats over the K tiles and P) ...
+    // A split row: every block publishes its maxima (`ms`), its running sums (`red`) and its O
+    // in f32 (rows of OST floats over the K tiles and P) ...
     float* os = (float*)(hf_smem + QB);
-    float* ms = bias;
-    if (wg == 0u && c == 0u) {
-        ms[r0] = m0;
-        ms[r1] = m1;
-    }
 #pragma unroll
     for (uint32_t half = 0; half < 2u; ++half) {
         float* orow = os + (half ? r1 : r0) * OST + wg * (D / 2u) + 2u * c;
@@ -685,8 +742,6 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         for (uint32_t j = 0; j < D / 16u; ++j)
             *(float2*)(orow + j * 8u) = make_float2(o[j * 4u + half * 2u], o[j * 4u + half * 2u + 1u]);
     }
-    __syncthreads();
-    if (tid < HB) red[tid] = red[tid] + red[HB + tid];
     hf_cluster_sync();
     // ... then block `rank` finishes heads [rank·HB/ns, (rank+1)·HB/ns) from all of them, in block
     // order: M = max(m_0, .., m_{ns-1}, sink), L = sum_c l_c·2^(m_c - M) + 2^(sink - M), and
@@ -959,14 +1014,15 @@ pub const WG_DEFAULT_SPLIT: usize = 2;
 const WG_TILE: usize = 64;
 /// Dynamic shared memory of a warpgroup-kernel block, bytes: up to 1024 of padding (the layout
 /// starts 1024-aligned for the K tiles' swizzle), Q (`64 × 512` bf16), two K tiles (`64 × 512`
-/// bf16 each), P (`64 × 64` bf16), the tiles' validity flags (`2 × 64` i32) and the per-head
-/// exchange (`2 × 64` f32): 206 848 bytes.
+/// bf16 each), two P tiles (`64 × 64` bf16 each), the tiles' validity flags (`2 × 64` f32), the
+/// per-head exchange (`2 × 64` f32) and seven 8-byte mbarriers: 215 096 bytes.
 const WG_SHARED_BYTES: usize = 1024
     + WG_HEADS * WG_HEAD_DIM * 2
     + 2 * WG_TILE * WG_HEAD_DIM * 2
-    + WG_HEADS * WG_TILE * 2
+    + 2 * WG_HEADS * WG_TILE * 2
     + 2 * WG_TILE * 4
-    + 2 * WG_HEADS * 4;
+    + 2 * WG_HEADS * 4
+    + 7 * 8;
 
 /// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, the tensor-core
 /// `hf_sparse_attn_mma{16,32,32s3}_d{64,128,256,512}_bf16` and the warpgroup

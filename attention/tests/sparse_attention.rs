@@ -524,7 +524,8 @@ fn the_warpgroup_entry_uses_wgmma_on_sm_90a() {
         e
     };
     let e = entry("sm_90a");
-    assert!(e.contains("wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16"), "lacks the Q·Kᵀ wgmma");
+    assert!(e.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"), "lacks the Q·Kᵀ wgmma");
+    assert!(e.contains("mbarrier.try_wait.parity"), "lacks the warpgroups' hand-offs");
     assert!(e.contains("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16"), "lacks the P·V wgmma");
     assert!(e.contains("fence.proxy.async.shared::cta"), "lacks the proxy fence");
     assert!(e.contains("cp.async.cg.shared.global"), "lacks cp.async staging");

@@ -310,6 +310,23 @@ __device__ __forceinline__ uint64_t hf_wgmma_desc(uint32_t smem_addr, uint32_t l
 __device__ __forceinline__ uint64_t hf_wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
     return hf_wgmma_desc(smem_addr, lbo, sbo) | (1ull << 62);
 }
+// Shared-memory barriers (mbarrier, sm_90): an 8-byte object at shared address `a` whose phase
+// completes when `count` arrivals came (hf_mbar_init by one thread, then a block barrier before
+// use). hf_mbar_arrive releases the arriving thread's earlier writes; hf_mbar_wait(a, parity)
+// waits until the phase of that parity (0 for the first completion, then 1, 0, ..) completed and
+// acquires them.
+__device__ __forceinline__ void hf_mbar_init(uint32_t a, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count) : "memory");
+}
+__device__ __forceinline__ void hf_mbar_arrive(uint32_t a) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void hf_mbar_wait(uint32_t a, uint32_t parity) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tHF_MBAR_WAIT:\n\t"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%0], %1;\n\t"
+        "@!p bra HF_MBAR_WAIT;\n\t}" ::"r"(a), "r"(parity) : "memory");
+}
 __device__ __forceinline__ void hf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void hf_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -323,6 +340,19 @@ __device__ __forceinline__ void hf_wgmma_m64n32k16(float* d, uint64_t a, uint64_
         "}, %16, %17, p, 1, 1, 0, 0;\n\t}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void hf_wgmma_m64n64k16(float* d, uint64_t a, uint64_t b, uint32_t accumulate) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %34, 0;\n\t"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+        "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+        "}, %32, %33, p, 1, 1, 0, 0;\n\t}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
         : "l"(a), "l"(b), "r"(accumulate));
 }
 __device__ __forceinline__ void hf_wgmma_m64n256k16_tb(float* d, uint64_t a, uint64_t b, uint32_t accumulate) {
