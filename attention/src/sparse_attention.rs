@@ -613,14 +613,15 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
                 const uint32_t e = j * 8u + 2u * c;
                 const float a0 = hf_wg_exp2(s[j * 4u] - f0), a1 = hf_wg_exp2(s[j * 4u + 1u] - f0);
                 const float b0 = hf_wg_exp2(s[j * 4u + 2u] - f1), b1 = hf_wg_exp2(s[j * 4u + 3u] - f1);
-                const hf_bf16 qa0 = hf_f32_to_bf16(a0), qa1 = hf_f32_to_bf16(a1);
-                const hf_bf16 qb0 = hf_f32_to_bf16(b0), qb1 = hf_f32_to_bf16(b1);
-                rs0 += hf_bf16_to_f32(qa0);
-                rs0 += hf_bf16_to_f32(qa1);
-                rs1 += hf_bf16_to_f32(qb0);
-                rs1 += hf_bf16_to_f32(qb1);
-                *(uint32_t*)(pb + hf_wg_off(r0, e, NT)) = (uint32_t)qa0.bits | ((uint32_t)qa1.bits << 16);
-                *(uint32_t*)(pb + hf_wg_off(r1, e, NT)) = (uint32_t)qb0.bits | ((uint32_t)qb1.bits << 16);
+                // One paired conversion per two entries (2^x is never NaN here: x is -inf or at
+                // most 0 for finite scores, and NaN scores make NaN outputs whatever the payload).
+                const uint32_t qa = hf_pack_bf16x2_any_nan(a0, a1), qb = hf_pack_bf16x2_any_nan(b0, b1);
+                rs0 += __uint_as_float(qa << 16);
+                rs0 += __uint_as_float(qa & 0xffff0000u);
+                rs1 += __uint_as_float(qb << 16);
+                rs1 += __uint_as_float(qb & 0xffff0000u);
+                *(uint32_t*)(pb + hf_wg_off(r0, e, NT)) = qa;
+                *(uint32_t*)(pb + hf_wg_off(r1, e, NT)) = qb;
             }
             if (c == 0u) {
                 corr_s[b * HB + r0] = corr0;
