@@ -561,6 +561,16 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     // (warpgroup 0's own P written, before its P · V). A tile's pair is tile % 2 and its phase
     // parity (tile / 2) % 2. P and the factors are double-buffered: warpgroup 0 rewrites those
     // of tile it only after KREADY of tile it + 2, which warpgroup 1 gives after its P · V of it.
+    // (3) O[:, 256·wg ..] += P · V for the tile in buffer b (V = the K tile, N-major), waited for.
+    auto pv = [&](uint32_t b) {
+        const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4)), dp = dp0 + (uint64_t)(b * (PB >> 4));
+        hf_wgmma_fence();
+#pragma unroll
+        for (uint32_t kk = 0; kk < NT / 16u; ++kk)
+            hf_wgmma_m64n256k16_tb(o, dp + kk * 16u, dv + kk * (2048u >> 4), 1u);
+        hf_wgmma_commit();
+        hf_wgmma_wait<0>();
+    };
     const uint32_t BAR_KREADY = mbar, BAR_PFULL = mbar + 16u, BAR_KFREE = mbar + 32u, BAR_WG0 = mbar + 48u;
     float* corr_s = red;  // [2][HB]: the rescale factors of the tile of each parity
     if (wg == 0u) {
@@ -646,14 +656,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
             hf_mbar_arrive(BAR_WG0);
             hf_mbar_wait(BAR_WG0, it & 1u);  // P of the whole warpgroup written
 
-            // (3) O[:, 0 .. 256] += P · V (V = the K tile, N-major).
-            const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4)), dp = dp0 + (uint64_t)(b * (PB >> 4));
-            hf_wgmma_fence();
-#pragma unroll
-            for (uint32_t kk = 0; kk < NT / 16u; ++kk)
-                hf_wgmma_m64n256k16_tb(o, dp + kk * 16u, dv + kk * (2048u >> 4), 1u);
-            hf_wgmma_commit();
-            hf_wgmma_wait<0>();
+            pv(b);  // (3) O[:, 0 .. 256] += P · V
             if (it + 2u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * b);
         }
     } else {
@@ -684,14 +687,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
 #pragma unroll
                 for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
             }
-            // (3) O[:, 256 .. 512] += P · V.
-            const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4)), dp = dp0 + (uint64_t)(b * (PB >> 4));
-            hf_wgmma_fence();
-#pragma unroll
-            for (uint32_t kk = 0; kk < NT / 16u; ++kk)
-                hf_wgmma_m64n256k16_tb(o, dp + kk * 16u, dv + kk * (2048u >> 4), 1u);
-            hf_wgmma_commit();
-            hf_wgmma_wait<0>();
+            pv(b);  // (3) O[:, 256 .. 512] += P · V
             if (it + 2u < nloc) {  // tile it + 2 into buffer b once warpgroup 0 is done with it
                 hf_mbar_wait(BAR_KFREE + 8u * b, (it >> 1) & 1u);
 #pragma unroll
