@@ -1223,7 +1223,16 @@ impl SparseAttention {
     pub fn with_warpgroup_split(mut self, dev: &Device, split: usize) -> Result<Self> {
         const OP: &str = "SparseAttention::with_warpgroup_split";
         let Some(k) = &self.wg else {
-            return Err(shape(OP, "a row split needs the warpgroup kernel (AttentionKernel::Warpgroup)".into()));
+            let running = if self.mma.is_some() { "the tensor-core kernel" } else { "the portable kernel" };
+            return Err(shape(
+                OP,
+                format!(
+                    "a row split needs the warpgroup kernel (warpgroup MMA, NVIDIA sm_90a, head_dim {WG_HEAD_DIM}; \
+                     AttentionKernel::Auto picks it from {WG_HEADS} heads); this instance runs {running} \
+                     ({} heads of {})",
+                    self.heads, self.head_dim
+                ),
+            ));
         };
         if !WG_SPLITS.contains(&split) {
             return Err(shape(OP, format!("a split of {split} blocks per row; supported: {WG_SPLITS:?}")));
@@ -1247,6 +1256,12 @@ impl SparseAttention {
     /// Blocks sharing each row of the warpgroup kernel (1 for the other kernels).
     pub fn warpgroup_split(&self) -> usize {
         self.wg_split
+    }
+
+    /// True when [`SparseAttention::attend`] runs the warpgroup kernel (whose rows
+    /// [`SparseAttention::with_warpgroup_split`] spreads).
+    pub fn uses_warpgroup(&self) -> bool {
+        self.wg.is_some()
     }
 
     /// True when [`SparseAttention::attend`] runs a tensor-core kernel (`mma.sync` or warpgroup).

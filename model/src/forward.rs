@@ -379,6 +379,22 @@ impl ModelForward {
         &self.cfg
     }
 
+    /// Spreads each attention row over `split` blocks of the warpgroup attention kernel (one of
+    /// [`holdfast_attention::WG_SPLITS`]; see `RunnerSettings::attention_row_split`). Call it
+    /// before any step is captured: captured graphs keep the kernel they were captured with.
+    /// Errors: a split outside that list, or a device or shape without the warpgroup kernel.
+    pub fn set_attention_row_split(&mut self, dev: &Device, split: usize) -> Result<()> {
+        if self.attn.uses_warpgroup() && self.attn.warpgroup_split() == split {
+            return Ok(());
+        }
+        self.attn = self
+            .attn
+            .clone()
+            .with_warpgroup_split(dev, split)
+            .map_err(|e| ModelError::Setting { setting: "attention_row_split", detail: e.to_string() })?;
+        Ok(())
+    }
+
     /// The limits it was built for.
     pub fn limits(&self) -> ForwardLimits {
         self.limits

@@ -174,6 +174,7 @@ fn bad_inputs_are_errors(dev: &Device) {
         RunnerSettings { max_num_seqs: 0, ..settings(GraphMode::Full) },
         RunnerSettings { capture_sizes: Some(vec![0]), ..settings(GraphMode::Piecewise) },
         RunnerSettings { max_capture_size: Some(0), ..settings(GraphMode::FullAndPiecewise) },
+        RunnerSettings { attention_row_split: Some(3), ..settings(GraphMode::Full) },
     ] {
         let checked = ModelRunner::check(&cfg, &bad).expect_err("refused by the check").to_string();
         let built = ModelRunner::new(dev, &cfg, &bad).map(|_| ()).expect_err("refused by building").to_string();
@@ -182,6 +183,13 @@ fn bad_inputs_are_errors(dev: &Device) {
     for mode in [GraphMode::None, GraphMode::Piecewise, GraphMode::Full, GraphMode::FullDecodeOnly] {
         ModelRunner::check(&cfg, &settings(mode)).expect("the test settings are valid");
     }
+    // A row split is for the warpgroup attention kernel only (tiny's 2 heads of 64 never run it):
+    // building says which kernel runs instead.
+    let split = RunnerSettings { attention_row_split: Some(2), ..settings(GraphMode::Full) };
+    ModelRunner::check(&cfg, &split).expect("a supported split passes the device-free check");
+    let e = ModelRunner::new(dev, &cfg, &split).map(|_| ()).expect_err("no warpgroup kernel here");
+    assert!(matches!(e, ModelError::Setting { setting: "attention_row_split", .. }), "{e}");
+    assert!(e.to_string().contains("warpgroup kernel") && e.to_string().contains("2 heads of 64"), "{e}");
 
     // A step larger than the runner was built for is refused before anything runs.
     let mut runner = ModelRunner::new(dev, &cfg, &settings(GraphMode::None)).expect("runner");
@@ -288,4 +296,46 @@ fn cpu_and_cuda_logits_agree_on_the_first_step() {
     let rel = (num / den).sqrt();
     println!("first-step logits, cpu vs cuda: relative L2 {rel:.3e} over {} values", a.len());
     assert!(rel <= 2e-2, "relative L2 {rel}");
+}
+
+/// With the warpgroup attention kernel (sm_90a), a runner whose attention rows are spread over 8
+/// blocks still gives the same bits in every graph mode, and the same tokens as the default split
+/// up to the last place of the attention sums (checked loosely: most tokens agree).
+#[cfg(feature = "cuda")]
+#[test]
+fn an_attention_row_split_keeps_every_mode_identical() {
+    let mut cfg = ModelConfig::flash_slice();
+    cfg.num_hidden_layers = 2;
+    cfg.compress_ratios = vec![4, 128, 0]; // a c4a and a c128a layer: both extra lists
+    let split = |mode: GraphMode, split: Option<usize>| RunnerSettings { attention_row_split: split, ..settings(mode) };
+    ModelRunner::check(&cfg, &split(GraphMode::FullAndPiecewise, Some(8))).expect("valid settings");
+    let gpu = match Device::open("cuda:0") {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("skipped: cuda:0 is not usable here ({e})");
+            return;
+        }
+    };
+    if !gpu.info().has_wgmma() {
+        eprintln!("skipped: {} has no warpgroup MMA (the row split is for that kernel)", gpu.info().name);
+        return;
+    }
+    let reqs = workload(5, 6, 150, cfg.vocab_size as u64);
+    let with = |mode: GraphMode, s: Option<usize>| run(&gpu, &cfg, &split(mode, s), reqs.clone(), true);
+    let base = with(GraphMode::None, Some(8));
+    for mode in [GraphMode::Full, GraphMode::FullAndPiecewise] {
+        let rec = with(mode, Some(8));
+        assert_eq!(rec.steps.len(), base.steps.len(), "{mode}: step count");
+        for (i, (a, b)) in base.steps.iter().zip(&rec.steps).enumerate() {
+            assert_eq!(a.0, b.0, "{mode}: step {i} tokens");
+            assert!(a.1 == b.1, "{mode}: step {i} logits differ from eager");
+        }
+    }
+    let default = with(GraphMode::None, None);
+    let (same, all) = base.outputs.iter().fold((0usize, 0usize), |(s, n), (id, toks)| {
+        let d = &default.outputs[id];
+        (s + toks.iter().zip(d).filter(|(a, b)| a == b).count(), n + toks.len())
+    });
+    println!("split 8 against the default split: {same} of {all} tokens equal");
+    assert!(all > 0 && same * 2 > all, "split 8 changed most tokens ({same} of {all} equal)");
 }

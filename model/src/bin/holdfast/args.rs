@@ -61,6 +61,11 @@ pub struct Common {
     /// Longest prefill chunk of one request per step, in tokens (0: only the token budget limits).
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub long_prefill_threshold: usize,
+    /// Blocks sharing each attention row (1, 2, 4 or 8) on the warpgroup attention kernel
+    /// (NVIDIA sm_90a, head_dim 512): more cut one request's latency over long contexts, fewer
+    /// keep large batches fast (default: the kernel's 2). An error on other devices and shapes.
+    #[arg(long, value_name = "N")]
+    pub attention_split: Option<usize>,
 }
 
 impl Common {
@@ -87,6 +92,7 @@ impl Common {
             kv_num_blocks: None,
             seed: self.seed,
             long_prefill_token_threshold: self.long_prefill_threshold,
+            attention_row_split: self.attention_split,
         }
     }
 
