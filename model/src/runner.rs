@@ -49,8 +49,9 @@ pub struct RunnerSettings {
     /// head_dim 512, at least 64 heads): one of 1, 2, 4 or 8; `None` keeps the kernel's default
     /// (2). More blocks cut one request's latency over long contexts (at 1M tokens, 64 heads,
     /// one row: about 3× faster with 8 than with 2 on an H100) and cost throughput from about 64
-    /// rows (about 1.4× slower with 8 at 64 rows). Fixed for the runner, so a row's output never
-    /// depends on its batch. An error where the device does not run that kernel.
+    /// rows (1.25–1.4× slower with 8 at 64–256 rows when last measured across splits). Fixed for
+    /// the runner, so a row's output never depends on its batch. An error where the device does
+    /// not run that kernel.
     pub attention_row_split: Option<usize>,
 }
 
