@@ -113,7 +113,9 @@ HF_KERNEL void hf_cluster_sum(const float* x, float* out, uint32_t cluster, uint
 // warpgroup), f32. `swizzle` 0: the no-swizzle layout, element (r, k) of an R x K tile at byte
 // (r / 8)·16K + (k / 8)·128 + (r % 8)·16 + (k % 8)·2. `swizzle` 1: the 128-byte swizzle, element
 // (r, k) at (k / 64)·128R + 128r + (((k % 64) / 8) ^ (r % 8))·16 + (k % 8)·2 from a 1024-aligned
-// base. Without warpgroup MMA, s and o are NaN.
+// base. Bit 1 of `swizzle` (values 2, 3): s instead comes from warpgroup 0 alone (wgmma
+// m64n64k16 over all 64 columns), handed to warpgroup 1 through shared memory and an mbarrier,
+// which writes it. Without warpgroup MMA, s and o are NaN.
 HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16* v, float* s, float* o,
                               uint32_t swizzle) {
     const uint32_t tid = threadIdx.x;
@@ -121,7 +123,10 @@ HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16
     extern __shared__ __align__(1024) unsigned char hf_smem_raw[];
     unsigned char* hf_smem = hf_smem_raw + ((1024u - (hf_smem_addr(hf_smem_raw) & 1023u)) & 1023u);
     const uint32_t a_s = hf_smem_addr(hf_smem), b_s = a_s + 8192u, v_s = a_s + 16384u;
-    const bool sw = swizzle != 0u;
+    const bool sw = (swizzle & 1u) != 0u, whole = (swizzle & 2u) != 0u;
+    __shared__ float s_handoff[64 * 64];
+    __shared__ __align__(8) unsigned long long s_bar;
+    if (tid == 0u) hf_mbar_init(hf_smem_addr(&s_bar), 128u);
     // Byte offset of (r, k) in an R x K tile.
     auto off = [&](uint32_t r, uint32_t k, uint32_t R, uint32_t K) -> uint32_t {
         return sw ? (k >> 6) * 128u * R + r * 128u + ((((k & 63u) >> 3) ^ (r & 7u)) << 4) + (k & 7u) * 2u
@@ -139,18 +144,39 @@ HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16
     auto kmajor = [&](uint32_t base, uint32_t ks) -> uint64_t {
         return sw ? hf_wgmma_desc_sw128(base + ks * 32u, 16u, 1024u) : hf_wgmma_desc(base + ks * 256u, 128u, 1024u);
     };
-    float acc[16];
-    hf_wgmma_fence();
+    if (whole) {
+        if (wg == 0u) {
+            float acc[32];
+            hf_wgmma_fence();
 #pragma unroll
-    for (uint32_t ks = 0; ks < 4u; ++ks)
-        hf_wgmma_m64n32k16(acc, kmajor(a_s, ks), kmajor(b_s + wg * (sw ? 32u * 128u : 4u * 1024u), ks), ks > 0u ? 1u : 0u);
-    hf_wgmma_commit();
-    hf_wgmma_wait<0>();
+            for (uint32_t ks = 0; ks < 4u; ++ks)
+                hf_wgmma_m64n64k16(acc, kmajor(a_s, ks), kmajor(b_s, ks), ks > 0u ? 1u : 0u);
+            hf_wgmma_commit();
+            hf_wgmma_wait<0>();
 #pragma unroll
-    for (uint32_t j = 0; j < 4u; ++j)
+            for (uint32_t j = 0; j < 8u; ++j)
 #pragma unroll
-        for (uint32_t e = 0; e < 4u; ++e)
-            s[(row + (e >> 1) * 8u) * 64u + wg * 32u + j * 8u + col + (e & 1u)] = acc[j * 4u + e];
+                for (uint32_t e = 0; e < 4u; ++e)
+                    s_handoff[(row + (e >> 1) * 8u) * 64u + j * 8u + col + (e & 1u)] = acc[j * 4u + e];
+            hf_mbar_arrive(hf_smem_addr(&s_bar));
+        } else {
+            hf_mbar_wait(hf_smem_addr(&s_bar), 0u);
+            for (uint32_t i = tid - 128u; i < 64u * 64u; i += 128u) s[i] = s_handoff[i];
+        }
+    } else {
+        float acc[16];
+        hf_wgmma_fence();
+#pragma unroll
+        for (uint32_t ks = 0; ks < 4u; ++ks)
+            hf_wgmma_m64n32k16(acc, kmajor(a_s, ks), kmajor(b_s + wg * (sw ? 32u * 128u : 4u * 1024u), ks), ks > 0u ? 1u : 0u);
+        hf_wgmma_commit();
+        hf_wgmma_wait<0>();
+#pragma unroll
+        for (uint32_t j = 0; j < 4u; ++j)
+#pragma unroll
+            for (uint32_t e = 0; e < 4u; ++e)
+                s[(row + (e >> 1) * 8u) * 64u + wg * 32u + j * 8u + col + (e & 1u)] = acc[j * 4u + e];
+    }
     float acc2[128];
     hf_wgmma_fence();
 #pragma unroll
@@ -303,9 +329,10 @@ fn bf16_round_check(l: &CpuLaunch<'_>) -> Result<()> {
 /// `hf_bf16_round_check` (the device's f32 → bf16 conversions, single and paired, against their
 /// integer definition over `hi_count · 2¹⁶` bit patterns from `hi_first << 16`; the CPU checks
 /// the definition against the `half` crate), `hf_cluster_sum` (clusters' shared memory) and
-/// `hf_wgmma_check` (warpgroup MMA's operand layouts, no swizzle or the 128-byte swizzle by its
-/// `swizzle` argument: `[64, 64] · [64, 64]ᵀ` and `[64, 64] · [64, 512]` in f32, one block of 256
-/// threads with [`WGMMA_CHECK_SHARED_BYTES`]).
+/// `hf_wgmma_check` (warpgroup MMA's operand layouts, no swizzle or the 128-byte swizzle by bit 0
+/// of its `swizzle` argument, and with bit 1 the first product from one warpgroup's m64n64k16
+/// handed to the other through an mbarrier: `[64, 64] · [64, 64]ᵀ` and `[64, 64] · [64, 512]` in
+/// f32, one block of 256 threads with [`WGMMA_CHECK_SHARED_BYTES`]).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();
     SRC.get_or_init(|| {
