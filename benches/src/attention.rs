@@ -1,6 +1,7 @@
 //! Ragged sparse attention at decode (head_dim 512, MQA latent V = K, attention sink): the SWA
-//! window of 128 plus the compressed entries of a 64K context (512: c128a, or c4a top-512) and of
-//! a 1M context (8192: c128a), 64 heads (V4-Flash) and 128 heads (V4-Pro), batch 1, 8, 64, 256.
+//! window of 128 plus the compressed entries of a 64K context (512: c128a, or c4a top-512), of a
+//! c4a layer at top-1024 (1024) and of a 1M context (8192: c128a), 64 heads (V4-Flash) and 128
+//! heads (V4-Pro), batch 1, 8, 64, 256.
 //!
 //! Bytes per call, counted here (the kernel does not report them): every KV row each query row
 //! lists, read once (`rows × entries × head_dim × 2`; each row reads its own distinct slots, so
@@ -65,7 +66,7 @@ pub fn shapes(scale: Scale) -> Vec<AttnShape> {
     match scale {
         Scale::Full => {
             for heads in [64usize, 128] {
-                for extra in [512usize, 8192] {
+                for extra in [512usize, 1024, 8192] {
                     for batch in [1usize, 8, 64, 256] {
                         v.push(AttnShape { heads, head_dim: 512, window: 128, extra, batch });
                     }
