@@ -32,12 +32,16 @@
 //!   (their slots fetched a tile ahead) in the 128-byte-swizzled layout, so every warp's copy
 //!   moves whole 128-byte lines at both ends (the no-swizzle layout scattered each row's 16-byte
 //!   pieces 128 bytes apart, which split every 32-byte sector into two requests);
-//!   `q·kᵀ` runs as `wgmma` m64n32k16 (each warpgroup 32 of the tile's entries) and `p·v` as
-//!   `wgmma` m64n256k16 (each warpgroup half of `head_dim`), f32 accumulation, `p` rounded to
-//!   bf16 as above, the scores kept in base 2 (`s·scale·log2 e`) and exponentiated by the
-//!   multi-function unit's `2^x` (relative error below 2⁻²²); the two warpgroups share the
-//!   running maximum and add their running sums at the end. 206 848 bytes of shared memory, one
-//!   block per multiprocessor. Its summation order differs from the `mma.sync` kernel's (and
+//!   the warpgroups take turns: warpgroup 0 runs `q·kᵀ` over the whole tile as `wgmma`
+//!   m64n64k16 and the softmax (a row's 64 scores in the four lanes of a quad: running maximum
+//!   and sum in registers), writes `p` (rounded to bf16 as above, double-buffered) and the
+//!   rescale factors, then `p·v` for its half of `head_dim` (`wgmma` m64n256k16); warpgroup 1
+//!   runs `p·v` for the other half from the same `p` and stages the tiles after the first. The
+//!   hand-offs are mbarriers (a tile landed, `p` written, a buffer free), so neither waits for
+//!   the other more than the data requires. f32 accumulation, the scores kept in base 2
+//!   (`s·scale·log2 e`) and exponentiated by the multi-function unit's `2^x` (relative error
+//!   below 2⁻²²). 215 096 bytes of shared memory, one block per multiprocessor. Its summation
+//!   order differs from the `mma.sync` kernel's (and
 //!   with the split), so they agree within the bf16 bound, not bit for bit; each kernel at a
 //!   given split is batch-invariant on its own.
 //! - **portable** (any device, `head_dim` a multiple of the warp width up to 16 × warp): one block
