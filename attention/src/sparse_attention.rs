@@ -565,6 +565,14 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     // (warpgroup 0's own P written, before its P · V). A tile's pair is tile % 2 and its phase
     // parity (tile / 2) % 2. P and the factors are double-buffered: warpgroup 0 rewrites those
     // of tile it only after KREADY of tile it + 2, which warpgroup 1 gives after its P · V of it.
+    // O·corr, skipped by warps whose every corr is 1 (the maximum did not move): multiplying by 1
+    // changes no bit, so the skip changes none either.
+    auto rescale = [&](float corr0, float corr1) {
+        if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
+#pragma unroll
+            for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
+        }
+    };
     // (3) O[:, 256·wg ..] += P · V for the tile in buffer b (V = the K tile, N-major), waited for.
     auto pv = [&](uint32_t b) {
         const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4)), dp = dp0 + (uint64_t)(b * (PB >> 4));
@@ -651,12 +659,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
             l1 = l1 * corr1 + rs1;
             m0 = n0;
             m1 = n1;
-            // O·corr, skipped by warps whose every corr is 1 (the maximum did not move):
-            // multiplying by 1 changes no bit, so the skip changes none either.
-            if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
-#pragma unroll
-                for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
-            }
+            rescale(corr0, corr1);
             hf_mbar_arrive(BAR_WG0);
             hf_mbar_wait(BAR_WG0, it & 1u);  // P of the whole warpgroup written
 
@@ -665,18 +668,22 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         }
     } else {
         const uint32_t u1 = tid - 128u, se = u1 >> 3, c8 = u1 & 7u;
+        // This thread's four entries of local tile `i`: their slots, then their copies.
         int32_t sl[4];
+        auto fetch4 = [&](uint32_t i) {
+#pragma unroll
+            for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + i * ns, se + 16u * u);
+        };
+        auto stage4 = [&](uint32_t i, uint32_t b) {
+#pragma unroll
+            for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + i * ns, b, se + 16u * u, c8, sl[u]);
+        };
         if (nloc > 1u) {
-#pragma unroll
-            for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + ns, se + 16u * u);
-#pragma unroll
-            for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + ns, 1u, se + 16u * u, c8, sl[u]);
+            fetch4(1u);
+            stage4(1u, 1u);
         }
         hf_cp_async_commit();
-        if (nloc > 2u) {
-#pragma unroll
-            for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + 2u * ns, se + 16u * u);
-        }
+        if (nloc > 2u) fetch4(2u);
         for (uint32_t it = 0; it < nloc; ++it) {
             const uint32_t b = it & 1u;
             // Tile it + 1 (staged a tile ago) to warpgroup 0 as soon as it landed.
@@ -686,21 +693,13 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
                 hf_mbar_arrive(BAR_KREADY + 8u * b);  // tile it + 1: pair it % 2, phase it / 2
             }
             hf_mbar_wait(BAR_PFULL + 8u * b, (it >> 1) & 1u);
-            const float corr0 = corr_s[b * HB + r0], corr1 = corr_s[b * HB + r1];
-            if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
-#pragma unroll
-                for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
-            }
+            rescale(corr_s[b * HB + r0], corr_s[b * HB + r1]);
             pv(b);  // (3) O[:, 256 .. 512] += P · V
             if (it + 2u < nloc) {  // tile it + 2 into buffer b once warpgroup 0 is done with it
                 hf_mbar_wait(BAR_KFREE + 8u * b, (it >> 1) & 1u);
-#pragma unroll
-                for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + (it + 2u) * ns, b, se + 16u * u, c8, sl[u]);
+                stage4(it + 2u, b);
                 hf_cp_async_commit();
-                if (it + 3u < nloc) {
-#pragma unroll
-                    for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + (it + 3u) * ns, se + 16u * u);
-                }
+                if (it + 3u < nloc) fetch4(it + 3u);
             }
         }
     }

@@ -384,9 +384,6 @@ impl ModelForward {
     /// before any step is captured: captured graphs keep the kernel they were captured with.
     /// Errors: a split outside that list, or a device or shape without the warpgroup kernel.
     pub fn set_attention_row_split(&mut self, dev: &Device, split: usize) -> Result<()> {
-        if self.attn.uses_warpgroup() && self.attn.warpgroup_split() == split {
-            return Ok(());
-        }
         self.attn = self
             .attn
             .clone()
