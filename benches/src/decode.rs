@@ -12,10 +12,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use holdfast_graph::{GraphMode, RuntimeMode};
-use holdfast_hal::bf16;
 use holdfast_model::scheduler::{Request, Scheduler};
-use holdfast_model::weights::Init;
-use holdfast_model::{ModelConfig, ModelRunner, RunnerSettings, SeededInit, StepResult, WeightSource};
+use holdfast_model::{CachedSource, ModelConfig, ModelRunner, RunnerSettings, SeededInit, StepResult};
 
 use crate::ctx::{Ctx, Scale};
 use crate::error::{ReportError, Result};
@@ -78,38 +76,6 @@ impl Plan {
     }
 }
 
-/// Seeded weights filled once and handed to the later runners (filling flash-slice's ~3 GB is
-/// the slow part of building a runner).
-struct CachedSeeded {
-    seeded: SeededInit,
-    bf16s: HashMap<String, Vec<bf16>>,
-    f32s: HashMap<String, Vec<f32>>,
-}
-
-impl WeightSource for CachedSeeded {
-    fn fill_bf16(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [bf16]) -> holdfast_model::Result<()> {
-        match self.bf16s.get(name) {
-            Some(v) if v.len() == out.len() => out.copy_from_slice(v),
-            _ => {
-                self.seeded.fill_bf16(name, shape, init, out)?;
-                self.bf16s.insert(name.to_owned(), out.to_vec());
-            }
-        }
-        Ok(())
-    }
-
-    fn fill_f32(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [f32]) -> holdfast_model::Result<()> {
-        match self.f32s.get(name) {
-            Some(v) if v.len() == out.len() => out.copy_from_slice(v),
-            _ => {
-                self.seeded.fill_f32(name, shape, init, out)?;
-                self.f32s.insert(name.to_owned(), out.to_vec());
-            }
-        }
-        Ok(())
-    }
-}
-
 /// A scheduler whose `batch` requests all decode, and the decode steps left before one finishes.
 struct Decoding {
     sched: Scheduler,
@@ -167,8 +133,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
 }
 
 fn run_plan(ctx: &mut Ctx, plan: &Plan, with_target: bool) -> Result<Vec<Row>> {
-    let mut weights =
-        CachedSeeded { seeded: SeededInit { seed: plan.settings.seed }, bf16s: HashMap::new(), f32s: HashMap::new() };
+    let mut weights = CachedSource::new(SeededInit { seed: plan.settings.seed });
     let mut rows = Vec::new();
     // (mode, batch) → median step µs.
     let mut steps: HashMap<(GraphMode, usize), f64> = HashMap::new();

@@ -21,16 +21,14 @@
 //! batch, next to the targets (capture ≤ 3 s, Full host time ≤ 30 µs, None/Full ≥ 2 at batch 1
 //! and ≥ 1.3 at batch 8; the targets are for flash-slice on a GPU).
 
-use std::collections::HashMap;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use holdfast_graph::{GraphMode, RuntimeMode};
-use holdfast_hal::{bf16, BackendKind, Device};
+use holdfast_hal::{BackendKind, Device};
 use holdfast_model::scheduler::{Request, Scheduler};
-use holdfast_model::weights::Init;
-use holdfast_model::{ModelConfig, ModelRunner, Result, RunnerSettings, SeededInit, StepResult, WeightSource};
+use holdfast_model::{CachedSource, ModelConfig, ModelRunner, RunnerSettings, SeededInit, StepResult};
 
 const MODES: [GraphMode; 3] = [GraphMode::None, GraphMode::Piecewise, GraphMode::Full];
 
@@ -98,38 +96,6 @@ impl Plan {
 
     fn max_new_tokens(&self) -> usize {
         self.settings.max_model_len - self.prompt_len
-    }
-}
-
-/// Seeded weights filled once and handed out again to later runners (the seeded fill of
-/// flash-slice's ~3 GB is the slow part of building a runner).
-struct CachedSeeded {
-    seeded: SeededInit,
-    bf16s: HashMap<String, Vec<bf16>>,
-    f32s: HashMap<String, Vec<f32>>,
-}
-
-impl WeightSource for CachedSeeded {
-    fn fill_bf16(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [bf16]) -> Result<()> {
-        match self.bf16s.get(name) {
-            Some(v) if v.len() == out.len() => out.copy_from_slice(v),
-            _ => {
-                self.seeded.fill_bf16(name, shape, init, out)?;
-                self.bf16s.insert(name.to_owned(), out.to_vec());
-            }
-        }
-        Ok(())
-    }
-
-    fn fill_f32(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [f32]) -> Result<()> {
-        match self.f32s.get(name) {
-            Some(v) if v.len() == out.len() => out.copy_from_slice(v),
-            _ => {
-                self.seeded.fill_f32(name, shape, init, out)?;
-                self.f32s.insert(name.to_owned(), out.to_vec());
-            }
-        }
-        Ok(())
     }
 }
 
@@ -258,8 +224,7 @@ fn bench(c: &mut Criterion) {
         plan.settings.max_model_len,
         plan.prompt_len
     );
-    let mut weights =
-        CachedSeeded { seeded: SeededInit { seed: plan.settings.seed }, bf16s: HashMap::new(), f32s: HashMap::new() };
+    let mut weights = CachedSource::new(SeededInit { seed: plan.settings.seed });
     let mut captures = Vec::new();
     let mut summaries = Vec::new();
     for mode in MODES {

@@ -26,4 +26,4 @@ pub use forward::{ForwardLimits, ModelForward};
 pub use runner::{
     serve_tensor_parallel, ModelRunner, RankStep, RunnerSettings, ServeReport, StepResult, TensorParallelReport,
 };
-pub use weights::{SeededInit, Shard, WeightSource, Weights};
+pub use weights::{CachedSource, SeededInit, Shard, WeightSource, Weights};

@@ -5,6 +5,8 @@
 //! [`SeededInit`] fills them deterministically from a seed with scales chosen so activations stay
 //! finite and logits are not degenerate; a checkpoint loader implements [`WeightSource`] too.
 
+use std::collections::HashMap;
+
 use half::bf16;
 use holdfast_attention::LayerKind;
 use holdfast_hal::{Buffer, Device};
@@ -107,6 +109,62 @@ impl WeightSource for SeededInit {
             }
         });
         Ok(())
+    }
+}
+
+/// A [`WeightSource`] that asks `inner` for each tensor once and hands the same values to every
+/// later load of that tensor (same name, shape and initialisation hint): for building several
+/// runners over one set of weights (one per graph mode, say) without filling them again. It holds
+/// a host copy of every tensor it has seen ([`CachedSource::cached_bytes`]) until dropped.
+#[derive(Debug)]
+pub struct CachedSource<S> {
+    inner: S,
+    bf16s: HashMap<String, (Vec<usize>, Init, Vec<bf16>)>,
+    f32s: HashMap<String, (Vec<usize>, Init, Vec<f32>)>,
+}
+
+impl<S: WeightSource> CachedSource<S> {
+    /// An empty cache in front of `inner`.
+    pub fn new(inner: S) -> Self {
+        CachedSource { inner, bf16s: HashMap::new(), f32s: HashMap::new() }
+    }
+
+    /// Host bytes held: every cached tensor's elements.
+    pub fn cached_bytes(&self) -> usize {
+        self.bf16s.values().map(|(_, _, v)| v.len() * 2).sum::<usize>()
+            + self.f32s.values().map(|(_, _, v)| v.len() * 4).sum::<usize>()
+    }
+}
+
+/// `out` from `cache[name]` when it holds the same shape and hint, else from `fill`, kept.
+fn fill_cached<T: Copy>(
+    cache: &mut HashMap<String, (Vec<usize>, Init, Vec<T>)>,
+    name: &str,
+    shape: &[usize],
+    init: Init,
+    out: &mut [T],
+    fill: impl FnOnce(&mut [T]) -> Result<()>,
+) -> Result<()> {
+    if let Some((s, i, v)) = cache.get(name) {
+        if s == shape && *i == init && v.len() == out.len() {
+            out.copy_from_slice(v);
+            return Ok(());
+        }
+    }
+    fill(out)?;
+    cache.insert(name.to_owned(), (shape.to_vec(), init, out.to_vec()));
+    Ok(())
+}
+
+impl<S: WeightSource> WeightSource for CachedSource<S> {
+    fn fill_bf16(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [bf16]) -> Result<()> {
+        let inner = &mut self.inner;
+        fill_cached(&mut self.bf16s, name, shape, init, out, |o| inner.fill_bf16(name, shape, init, o))
+    }
+
+    fn fill_f32(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [f32]) -> Result<()> {
+        let inner = &mut self.inner;
+        fill_cached(&mut self.f32s, name, shape, init, out, |o| inner.fill_f32(name, shape, init, o))
     }
 }
 
@@ -411,5 +469,59 @@ impl Weights {
         let head = ld.bf16("head.weight", &[v, h], Init::Normal(fan_in(h) * 4.0))?;
         let bytes = ld.bytes;
         Ok(Weights { embed, layers, hc_head_fn, hc_head_scale, hc_head_base, norm, head, bytes, shard })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source that counts its fills and writes `calls` into every element.
+    struct Counting {
+        calls: usize,
+    }
+
+    impl WeightSource for Counting {
+        fn fill_bf16(&mut self, _: &str, _: &[usize], _: Init, out: &mut [bf16]) -> Result<()> {
+            self.calls += 1;
+            out.fill(bf16::from_f32(self.calls as f32));
+            Ok(())
+        }
+        fn fill_f32(&mut self, _: &str, _: &[usize], _: Init, out: &mut [f32]) -> Result<()> {
+            self.calls += 1;
+            out.fill(self.calls as f32);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_cached_source_fills_each_tensor_once_and_replays_it() -> Result<()> {
+        let mut c = CachedSource::new(Counting { calls: 0 });
+        let (mut a, mut b) = (vec![bf16::ZERO; 6], vec![bf16::ZERO; 6]);
+        c.fill_bf16("w", &[2, 3], Init::Normal(0.1), &mut a)?;
+        c.fill_bf16("w", &[2, 3], Init::Normal(0.1), &mut b)?;
+        assert_eq!((c.inner.calls, &a), (1, &b), "the second load is the first's values, not a new fill");
+        let mut f = vec![0.0f32; 4];
+        c.fill_f32("v", &[4], Init::Const(1.0), &mut f)?;
+        assert_eq!((c.inner.calls, f[0]), (2, 2.0));
+        assert_eq!(c.cached_bytes(), 6 * 2 + 4 * 4);
+        // Another shape or hint under the same name is filled again (and replaces the entry).
+        c.fill_bf16("w", &[3, 2], Init::Normal(0.1), &mut b)?;
+        assert_eq!((c.inner.calls, b[0].to_f32()), (3, 3.0));
+        c.fill_bf16("w", &[3, 2], Init::NearOne(0.1), &mut b)?;
+        assert_eq!((c.inner.calls, b[0].to_f32()), (4, 4.0));
+        Ok(())
+    }
+
+    #[test]
+    fn cached_seeded_weights_equal_freshly_seeded_ones() -> Result<()> {
+        let mut cached = CachedSource::new(SeededInit { seed: 7 });
+        for _ in 0..2 {
+            let (mut got, mut want) = (vec![bf16::ZERO; 1000], vec![bf16::ZERO; 1000]);
+            cached.fill_bf16("layers.0.attn.wq_a", &[10, 100], Init::Normal(0.02), &mut got)?;
+            SeededInit { seed: 7 }.fill_bf16("layers.0.attn.wq_a", &[10, 100], Init::Normal(0.02), &mut want)?;
+            assert_eq!(got, want);
+        }
+        Ok(())
     }
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use holdfast_graph::{FallbackReason, GraphMode, RuntimeMode};
 use holdfast_hal::{Communicator, Device};
-use holdfast_model::{ModelConfig, ModelRunner};
+use holdfast_model::{CachedSource, ModelConfig, ModelRunner, SeededInit};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
@@ -167,10 +167,14 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
         );
     }
 
+    // With several modes on one device, the seeded weights are generated once (a host copy is
+    // kept until the last mode has built its runner) instead of once per mode.
+    let mut weights = (modes.len() > 1 && devices.len() == 1).then(|| CachedSource::new(SeededInit { seed: c.seed }));
     let mut reports = Vec::with_capacity(modes.len());
     for &mode in &modes {
-        reports.push(run_mode_tp(&devices, &cfg, a, mode, concurrency, &arrivals)?);
+        reports.push(run_mode_tp(&devices, &cfg, a, mode, concurrency, &arrivals, weights.as_mut())?);
     }
+    drop(weights);
     let verdict = verdict(&reports);
 
     println!(
@@ -226,8 +230,9 @@ fn bar(quiet: bool, len: usize, prefix: String, what: &str) -> ProgressBar {
     pb
 }
 
-/// Runs `mode` on one device, or on one thread per tensor-parallel rank (each rank serves the
-/// same stream; rank 0's report is returned after checking every rank's tokens are the same).
+/// Runs `mode` on one device (its weights from `weights` where given, else seeded afresh), or on
+/// one thread per tensor-parallel rank (each rank serves the same stream; rank 0's report is
+/// returned after checking every rank's tokens are the same).
 fn run_mode_tp(
     devices: &[Device],
     cfg: &ModelConfig,
@@ -235,9 +240,14 @@ fn run_mode_tp(
     mode: GraphMode,
     concurrency: usize,
     arrivals: &[Arrival],
+    weights: Option<&mut CachedSource<SeededInit>>,
 ) -> Result<ModeReport, CliError> {
     if devices.len() == 1 {
-        let runner = ModelRunner::new(&devices[0], cfg, &a.common.settings(mode))?;
+        let settings = a.common.settings(mode);
+        let runner = match weights {
+            Some(w) => ModelRunner::with_weights(&devices[0], cfg, &settings, w)?,
+            None => ModelRunner::new(&devices[0], cfg, &settings)?,
+        };
         return run_mode(runner, &devices[0], a.quiet, mode, concurrency, arrivals);
     }
     let comms = Communicator::group(devices)?;
