@@ -775,7 +775,7 @@ fn in_place_post_and_fused_equal_out_of_place(dev: &Device) {
 /// must give the same bits as the vector path.
 fn unaligned_views_give_the_same_bits(dev: &Device) {
     let fx = Fx::new(dev);
-    // Two tiles of `hc_head` on clusters, the second partial.
+    // Two tiles of `hc_head` on clusters, the second partial (and 138 tiles further down).
     let (hidden, t) = (1024, 13);
     let ops = fx.ops(hidden, t);
     let mut rng = Rng::new(9);
@@ -799,6 +799,19 @@ fn unaligned_views_give_the_same_bits(dev: &Device) {
     let ov = o1.slice(1, t * hidden).expect("view");
     ops.hc_head(&fx.s, &rv, &HcHeadWeights { hc_fn: &f, scale: &s, base: &b }, &hp, &ov).expect("unaligned hc_head");
     assert_eq!(bits_bf16(&fx.read(&ov)), bits_bf16(&fx.read(&aligned.out.view())), "hc_head");
+    // hc_head again over more tiles than the clusters a device runs at once (138 tiles: every
+    // cluster takes several in turn, through reused buffers and partial slots), the last partial.
+    let t2 = 1100;
+    let ops2 = fx.ops(hidden, t2);
+    let residual2 = rng.bf16s(t2 * d, 1.0);
+    let aligned2 = HeadBufs::new(&fx, &residual2, &wh, hidden);
+    aligned2.run(&fx, &ops2, &hp).expect("hc_head, many tiles");
+    let r2 = shifted("residual2+1", &residual2);
+    let o2 = shifted("out2+1", &vec![bf16::from_bits(0xFFFF); t2 * hidden]);
+    let (rv2, ov2) = (r2.slice(1, t2 * d).expect("view"), o2.slice(1, t2 * hidden).expect("view"));
+    ops2.hc_head(&fx.s, &rv2, &HcHeadWeights { hc_fn: &f, scale: &s, base: &b }, &hp, &ov2)
+        .expect("unaligned hc_head, many tiles");
+    assert_eq!(bits_bf16(&fx.read(&ov2)), bits_bf16(&fx.read(&aligned2.out.view())), "hc_head, many tiles");
 
     let pa = PreBufs::new(&fx, &residual, &wp, hidden);
     pa.run(&fx, &ops, &pp).expect("pre");
