@@ -167,8 +167,8 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
         );
     }
 
-    // With several modes on one device, the seeded weights are generated once (a host copy is
-    // kept until the last mode has built its runner) instead of once per mode.
+    // With several modes on one device, the seeded weights are generated once instead of once
+    // per mode (a host copy of them is held until every mode has run).
     let mut weights = (modes.len() > 1 && devices.len() == 1).then(|| CachedSource::new(SeededInit { seed: c.seed }));
     let mut reports = Vec::with_capacity(modes.len());
     for &mode in &modes {
