@@ -88,18 +88,34 @@ HF_KERNEL void hf_bf16_round_check(uint32_t* out, uint32_t hi_first, uint32_t hi
 // 0.0, of x[j] (0 for j >= n) over the blocks j of block b's cluster, for every block b < n; each
 // block shares its x[b] through its shared memory, which the others read. A launch without the
 // clusters asked for, or any launch on a device without clusters, writes NaN instead (`cluster`
-// 1 asks for none).
+// 1 asks for none). The shared value is first -x[b], summed, then overwritten with x[b] (both
+// exchanges over hf_cluster_sync_shared; the overwrite waits for every block's first reads): a
+// second sum that is not the first's negation (an ordering bug) writes +inf.
 HF_KERNEL void hf_cluster_sum(const float* x, float* out, uint32_t cluster, uint32_t n) {
     const uint32_t b = blockIdx.x;
 #if defined(HF_HAS_CLUSTERS)
     __shared__ float mine;
-    if (threadIdx.x == 0) mine = b < n ? x[b] : 0.0f;
-    hf_cluster_sync();
-    if (threadIdx.x == 0 && b < n) {
-        const uint32_t blocks = hf_cluster_blocks();
+    const uint32_t blocks = hf_cluster_blocks();
+    const float v = b < n ? x[b] : 0.0f;
+    auto sum = [&]() {
         float s = 0.0f;
         for (uint32_t r = 0; r < blocks; ++r) s += hf_cluster_load_f32(&mine, r);
-        out[b] = blocks == cluster && hf_cluster_rank() == b % cluster ? s : __int_as_float(0x7fc00000);
+        return s;
+    };
+    __shared__ float negated;
+    if (threadIdx.x == 0) mine = -v;
+    hf_cluster_sync_shared();
+    // The first sum's values are stored and a block barrier passed before the next arrival (the
+    // pattern hf_cluster_sync_shared's users rely on for reads of another block's memory).
+    if (threadIdx.x == 0) negated = sum();
+    __syncthreads();
+    hf_cluster_sync_shared();  // every block's reads of -x are done
+    if (threadIdx.x == 0) mine = v;
+    hf_cluster_sync_shared();
+    if (threadIdx.x == 0 && b < n) {
+        const float s = sum();
+        const float checked = s == -negated ? s : __int_as_float(0x7f800000);
+        out[b] = blocks == cluster && hf_cluster_rank() == b % cluster ? checked : __int_as_float(0x7fc00000);
     }
     hf_cluster_sync();  // no block leaves while the others may still read its shared memory
 #else

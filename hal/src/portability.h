@@ -410,6 +410,26 @@ __device__ __forceinline__ uint32_t hf_cluster_blocks() {
 __device__ __forceinline__ void hf_cluster_sync() {
     asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
+// hf_cluster_sync in two halves whose release covers only this block's shared-memory accesses:
+// the barrier orders them (writes the other blocks read after it, reads whose values were used
+// before it) but waits for none of the thread's global stores or copies in flight
+// (hf_cluster_sync's release is GPU-wide: MEMBAR.ALL.GPU, which does; this one compiles to
+// MEMBAR.ALL.CTA). Every thread of each block calls them in turn (arrive, wait, arrive, ...), so
+// a block can work between its arrival and its wait. For loops whose blocks exchange
+// shared-memory values while their global traffic streams on; a global write that another block
+// reads after the barrier needs hf_cluster_sync. The release does not order this thread's reads
+// of other blocks' shared memory (ld.shared::cluster): before a block rewrites memory that
+// others read, their reads must have completed before their arrival (their values used, e.g.
+// stored, ahead of a block barrier that precedes it), or they must use hf_cluster_sync.
+__device__ __forceinline__ void hf_cluster_arrive_shared() {
+    asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n\tbarrier.cluster.arrive.relaxed.aligned;" :::
+                     "memory");
+}
+__device__ __forceinline__ void hf_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+__device__ __forceinline__ void hf_cluster_sync_shared() {
+    hf_cluster_arrive_shared();
+    hf_cluster_wait();
+}
 // The cluster address of shared-memory pointer p (of this block's shared memory) in block `rank`.
 __device__ __forceinline__ uint32_t hf_cluster_map(const void* p, uint32_t rank) {
     uint32_t remote;

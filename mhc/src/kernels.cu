@@ -1239,23 +1239,28 @@ HF_KERNEL void __launch_bounds__(MHC_POST_THREADS) mhc_post_n4(
 // ---- hc_head on thread-block clusters (NVIDIA sm_90+; Stream::launch_cluster) -------------------
 // Clusters of nb blocks (8, or 16 past H = 4096: the host's choice, a function of H alone); block
 // `rank` of a cluster owns h in [rank Hs, (rank + 1) Hs) of every stream (Hs = H / nb <= 512; H a
-// multiple of 8 nb, at most 8192: the host checks). The block's slice of fn stays in shared
-// memory for the whole launch. Clusters take tiles of MHC_CL_TILE tokens in turn (the grid holds
-// only clusters that run at once); the rows of a cluster's next tile are copied into shared memory
-// (cp.async, a second buffer) while it works on the current one. Per tile every block
+// multiple of 8 nb, at most 8192: the host checks). Thread q of a block owns chunk q of its slice
+// (stream i = q / (Hs / 8), h 8c .. 8c + 8 with c = q % (Hs / 8): at most 256 chunks) and keeps
+// that chunk's fn weights in registers for the whole launch. Clusters take tiles of MHC_CL_TILE
+// tokens in turn (the grid holds only clusters that run at once). Per tile every block
 //   1. forms each token's partial Σx² and 4 dots over its slice of the rows, one 16-byte chunk
-//      (stream i, h 8c .. 8c + 8) per thread and token (chunk q = tid + j·MHC_CL_THREADS), then
-//      sums them over the block: butterflies within each warp (the 32 dots of the tile's 8 tokens
+//      per thread and token, then sums them over the block: butterflies within each warp (the 32 dots of the tile's 8 tokens
 //      × 4 gates; the 8 Σx², then across the lane groups; every value of a butterfly takes the same
 //      tree over the lanes) and the warps in order;
 //   2. after a cluster barrier, sums the cluster's nb block partials in rank order (distributed
 //      shared memory, eight reads in flight at a time; the same bits in every block) and forms
 //      the gates (mhc_stream_gate);
 //   3. writes its slice of the tile's outputs, Σ_i g_i x_i in stream order (as the reference).
-// A token's arithmetic depends on neither T nor its place in a tile: batch-invariant. The partials
-// are double-buffered across tiles, so one cluster barrier per tile suffices; a last barrier keeps
-// every block's shared memory alive until the cluster's reads are done.
+// The tiles go through a pipeline of MHC_CL_BUFS row buffers and partial slots: while tile k's
+// cluster barrier completes, each block forms its partials of tile k + 1 (copied a tile ahead,
+// cp.async) and the copies of tile k + 2 are in flight. The barrier is split (arrive after a
+// tile's partials are written and the last tile's were read, wait before its gates) and its
+// release covers shared memory only, so it never waits for output stores or copies in flight.
+// A token's arithmetic depends on neither T nor its place in a tile: batch-invariant. A last
+// barrier keeps every block's shared memory alive until the cluster's reads are done.
 #define MHC_CL_TILE 8
+#define MHC_CL_BUFS 3  // tile buffers (and partial slots) in the pipeline
+static_assert(MHC_CL_BUFS == 3, "the loop's buffer rotation and its copies two tiles ahead assume three");
 #define MHC_CL_THREADS 256
 #define MHC_CL_DOTS (MHC_CL_TILE * MHC_N)        // a tile's dots: value k·4 + g
 #define MHC_CL_VALUES (MHC_CL_DOTS + MHC_CL_TILE)  // then its Σx², value 32 + k
@@ -1279,31 +1284,51 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
                            const float* __restrict__ scale, const float* __restrict__ base,
                            hf_bf16* __restrict__ out, uint32_t T, uint32_t H, float rms_eps, float hc_eps) {
 #if defined(HF_HAS_CLUSTERS)
-    // Dynamic: fn slice [4 gates][2 halves][chunks][4] f32, then two tile buffers
-    // [MHC_CL_TILE][4][Hs] bf16.
+    // Dynamic: MHC_CL_BUFS tile buffers [MHC_CL_TILE][4][Hs] bf16.
     extern __shared__ __align__(16) unsigned char mhc_cl_smem[];
     __shared__ float red[MHC_CL_THREADS / 32][MHC_CL_VALUES];
-    __shared__ float part[2][MHC_CL_VALUES];
+    __shared__ float part[MHC_CL_BUFS][MHC_CL_VALUES];
     __shared__ float gate[MHC_CL_TILE][MHC_N];
     const uint32_t tid = threadIdx.x, lane = tid % 32u, warp = tid / 32u;
     const uint32_t rank = hf_cluster_rank();
     const uint32_t nb = hf_cluster_blocks(), Hs = H / nb, cols = Hs / 8u, chunks = MHC_N * cols;
     const uint32_t h_lo = rank * Hs;
     const uint64_t D = (uint64_t)MHC_N * H;
-    float* fns = reinterpret_cast<float*>(mhc_cl_smem);
-    hf_bf16* tiles_rows = reinterpret_cast<hf_bf16*>(fns + MHC_N * chunks * 8u);
+    hf_bf16* tiles_rows = reinterpret_cast<hf_bf16*>(mhc_cl_smem);
     const uint32_t tile_elems = MHC_CL_TILE * MHC_N * Hs;
     const uint32_t tiles = (T + MHC_CL_TILE - 1u) / MHC_CL_TILE;
     const uint32_t clusters = gridDim.x / nb;
     // Views that are not 16-byte aligned are copied and written element by element (the same
     // values in shared memory, so the same arithmetic and bits); the branches are uniform.
     const bool vec = mhc_aligned16(residual) && mhc_aligned16(hc_fn) && mhc_aligned16(out);
-    // Copies tile `tile`'s rows into buffer `b` (rows past T zero-filled); every thread copies the
-    // chunks it reads in step 1, so its own wait suffices there.
+    // The gate threads' weights, read once: the cluster barrier's acquire empties the L1 cache.
+    const float gate_scale = tid < MHC_CL_DOTS ? scale[0] : 0.0f;
+    const float gate_base = tid < MHC_CL_DOTS ? base[tid % MHC_N] : 0.0f;
+    // The thread's chunk q = tid (chunks <= MHC_CL_THREADS: Hs <= 512) and its weights, kept in
+    // registers for the whole launch: wg[g][e] = fn[g][chunk's element e] (0 past the chunks).
+    if (chunks > MHC_CL_THREADS) __trap();  // never: the host keeps Hs <= 512 (a chunk per thread)
+    const bool has_chunk = tid < chunks;
+    const uint32_t my_i = has_chunk ? tid / cols : 0u, my_c = has_chunk ? tid % cols : 0u;
+    float wg[MHC_N][8];
+#pragma unroll
+    for (uint32_t g = 0; g < MHC_N; ++g) {
+        const float* src = hc_fn + g * D + (uint64_t)my_i * H + h_lo + 8u * my_c;
+        if (has_chunk && vec) {
+            const mhc_f32x4 lo = *reinterpret_cast<const mhc_f32x4*>(src);
+            const mhc_f32x4 hi = *reinterpret_cast<const mhc_f32x4*>(src + 4);
+            wg[g][0] = lo.x, wg[g][1] = lo.y, wg[g][2] = lo.z, wg[g][3] = lo.w;
+            wg[g][4] = hi.x, wg[g][5] = hi.y, wg[g][6] = hi.z, wg[g][7] = hi.w;
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) wg[g][e] = has_chunk ? src[e] : 0.0f;
+        }
+    }
+    // Copies tile `tile`'s rows into buffer `b` (rows past T zero-filled) as one commit group;
+    // every thread copies the chunks it reads in `partials`, so its own wait suffices there.
     auto fetch = [&](uint32_t tile, uint32_t b) {
         hf_bf16* rows = tiles_rows + b * tile_elems;
-        for (uint32_t q = tid; q < chunks; q += MHC_CL_THREADS) {
-            const uint32_t i = q / cols, c = q % cols;
+        if (has_chunk) {
+            const uint32_t i = my_i, c = my_c;
 #pragma unroll
             for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
                 const uint32_t t = tile * MHC_CL_TILE + k;
@@ -1319,50 +1344,17 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         }
         hf_cp_async_commit();
     };
-    // fns[((2 g + half) chunks + q) 4 + e] = fn[g][chunk q's element 4 half + e]: a warp's
-    // 16-byte reads of one (g, half) are consecutive (no bank conflicts). Copied with every
-    // 16-byte piece in flight at once (one group, before the first tile's).
-    for (uint32_t w = tid; w < 2u * MHC_N * chunks; w += MHC_CL_THREADS) {
-        const uint32_t gh = w / chunks, q = w % chunks, g = gh / 2u, half = gh % 2u, i = q / cols, c = q % cols;
-        const float* src = hc_fn + g * D + (uint64_t)i * H + h_lo + 8u * c + 4u * half;
-        if (vec) {
-            hf_cp_async16(hf_smem_addr(fns + 4u * w), src, 16u);
-        } else {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) fns[4u * w + e] = src[e];
-        }
-    }
-    hf_cp_async_commit();
-    if (blockIdx.x / nb < tiles) fetch(blockIdx.x / nb, 0u);
-    // The gate threads' weights, read once: the cluster barrier's acquire empties the L1 cache.
-    const float gate_scale = tid < MHC_CL_DOTS ? scale[0] : 0.0f;
-    const float gate_base = tid < MHC_CL_DOTS ? base[tid % MHC_N] : 0.0f;
-    hf_cp_async_wait<1>();  // this thread's fns copies have landed (the first tile's may not have)
-    uint32_t buf = 0u;
-    for (uint32_t tile = blockIdx.x / nb; tile < tiles; tile += clusters, buf ^= 1u) {
-        const uint32_t t0 = tile * MHC_CL_TILE;
-        const hf_bf16* rows = tiles_rows + buf * tile_elems;
-        __syncthreads();  // fns landed; the last tile's readers of the other buffer, red and gate are done
-        if (tile + clusters < tiles)
-            fetch(tile + clusters, buf ^ 1u);
-        else
-            hf_cp_async_commit();  // an empty group: the wait below always leaves one group
-        hf_cp_async_wait<1>();     // this thread's copies of the current tile have landed
+    // 1. The block's partials of the tile in buffer `b` into part[b] (this thread's copies of it
+    //    have landed; the caller's block barrier orders the last use of `red`).
+    auto partials = [&](uint32_t b) {
+        const hf_bf16* rows = tiles_rows + b * tile_elems;
         float dots[MHC_CL_DOTS], ss[MHC_CL_TILE];
 #pragma unroll
         for (int j = 0; j < MHC_CL_DOTS; ++j) dots[j] = 0.0f;
 #pragma unroll
         for (int k = 0; k < MHC_CL_TILE; ++k) ss[k] = 0.0f;
-        for (uint32_t q = tid; q < chunks; q += MHC_CL_THREADS) {
-            const uint32_t i = q / cols, c = q % cols;
-            float wg[MHC_N][8];
-            const mhc_f32x4* wv = reinterpret_cast<const mhc_f32x4*>(fns);
-#pragma unroll
-            for (uint32_t g = 0; g < MHC_N; ++g) {
-                const mhc_f32x4 lo = wv[(2u * g) * chunks + q], hi = wv[(2u * g + 1u) * chunks + q];
-                wg[g][0] = lo.x, wg[g][1] = lo.y, wg[g][2] = lo.z, wg[g][3] = lo.w;
-                wg[g][4] = hi.x, wg[g][5] = hi.y, wg[g][6] = hi.z, wg[g][7] = hi.w;
-            }
+        if (has_chunk) {
+            const uint32_t i = my_i, c = my_c;
 #pragma unroll
             for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
                 float x[8];
@@ -1390,33 +1382,38 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         ss[0] += hf_shfl_xor(ss[0], 16);
         red[warp][lane] = dots[0];
         if (lane < MHC_CL_TILE) red[warp][MHC_CL_DOTS + lane] = ss[0];
-        __syncthreads();  // also: every thread's copies of the tile have landed
+        __syncthreads();
         if (tid < MHC_CL_VALUES) {
             float s = red[0][tid];
 #pragma unroll
             for (uint32_t w = 1; w < MHC_CL_THREADS / 32u; ++w) s += red[w][tid];
-            part[buf][tid] = s;
+            part[b][tid] = s;
         }
-        hf_cluster_sync();  // every block's partials of this tile are written
+    };
+    // 2. The tile's gates from every block's part[b], summed in rank order (eight ranks' reads in
+    //    flight at a time; the same bits in every block).
+    auto gates = [&](uint32_t b) {
         if (tid < MHC_CL_DOTS) {
             const uint32_t k = tid / MHC_N, i = tid % MHC_N;
-            // Eight ranks' reads in flight at a time, summed in rank order.
             float sum_sq = 0.0f, dot = 0.0f;
             for (uint32_t r0 = 0; r0 < nb; r0 += 8u) {
                 float sq[8], dt[8];
 #pragma unroll
                 for (uint32_t r = 0; r < 8u; ++r) {
-                    sq[r] = hf_cluster_load_f32(&part[buf][MHC_CL_DOTS + k], r0 + r);
-                    dt[r] = hf_cluster_load_f32(&part[buf][tid], r0 + r);
+                    sq[r] = hf_cluster_load_f32(&part[b][MHC_CL_DOTS + k], r0 + r);
+                    dt[r] = hf_cluster_load_f32(&part[b][tid], r0 + r);
                 }
 #pragma unroll
                 for (uint32_t r = 0; r < 8u; ++r) sum_sq += sq[r], dot += dt[r];
             }
             gate[k][i] = mhc_stream_gate(sum_sq, dot, H, gate_scale, gate_base, rms_eps, hc_eps);
         }
-        __syncthreads();  // gates ready
+    };
+    // 3. The block's slice of the tile's outputs, Σ_i g_i x_i in stream order.
+    auto outputs = [&](uint32_t tile, uint32_t b) {
+        const hf_bf16* rows = tiles_rows + b * tile_elems;
         for (uint32_t w = tid; w < MHC_CL_TILE * cols; w += MHC_CL_THREADS) {
-            const uint32_t k = w / cols, c = w % cols, t = t0 + k;
+            const uint32_t k = w / cols, c = w % cols, t = tile * MHC_CL_TILE + k;
             if (t >= T) continue;
             float o[8];
 #pragma unroll
@@ -1439,8 +1436,47 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
                 for (int e = 0; e < 8; ++e) dst[e] = hf_f32_to_bf16(o[e]);
             }
         }
+    };
+    // The pipeline: tile k's buffer (and partial slot) is k % MHC_CL_BUFS. While the cluster
+    // barrier of tile k completes, each block forms its partials of tile k + 1 (copied a tile
+    // ahead); tile k + 2 is copied meanwhile. Tile k + 1's arrival follows the reads of tile k's
+    // partials, so a slot is rewritten (three tiles on) only after every block's reads of it.
+    const uint32_t first = blockIdx.x / nb;
+    if (first >= tiles) return;  // never: the grid holds at most one cluster per tile
+    fetch(first, 0u);
+    if (first + clusters < tiles)
+        fetch(first + clusters, 1u);
+    else
+        hf_cp_async_commit();
+    hf_cp_async_wait<1>();  // the first tile (this thread's copies: all that `partials` reads)
+    partials(0u);
+    hf_cluster_arrive_shared();
+    uint32_t b = 0u;
+    for (uint32_t tile = first; tile < tiles; tile += clusters) {
+        const bool more = tile + clusters < tiles;
+        const uint32_t b1 = b + 1u == MHC_CL_BUFS ? 0u : b + 1u, b2 = b1 + 1u == MHC_CL_BUFS ? 0u : b1 + 1u;
+        __syncthreads();  // the last tile's outputs are done with buffer b2 and `gate`; `red` is free
+        if (tile + 2u * clusters < tiles)
+            fetch(tile + 2u * clusters, b2);
+        else
+            hf_cp_async_commit();  // an empty group: the wait below always leaves one group
+        if (more) {
+            hf_cp_async_wait<1>();  // this thread's copies of the next tile have landed
+            partials(b1);
+        }
+        hf_cluster_wait();  // every block's partials of this tile
+        gates(b);
+        __syncthreads();  // gates ready; this block's reads of the partials are done
+        // The next tile's partials (written above) to the cluster. The arrival's release covers
+        // shared::cta accesses only, not the remote reads of part[b] in `gates`: what keeps a
+        // block from rewriting part[b] (three tiles on, after its next wait) while they are in
+        // flight is that their values were stored (`gate`) before the block barrier above, so
+        // they have completed before this arrival.
+        if (more) hf_cluster_arrive_shared();
+        outputs(tile, b);
+        b = b1;
     }
-    hf_cp_async_wait_all();  // the last (empty) group: no copy outlives the block
+    hf_cp_async_wait_all();  // the last (empty) groups: no copy outlives the block
     hf_cluster_sync();  // no block leaves while the cluster may still read its partials
 #endif
 }

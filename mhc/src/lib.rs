@@ -77,16 +77,17 @@
 //! - `hc_head` on thread-block clusters (the default where they run: NVIDIA sm_90+, `H` up to
 //!   8192): clusters of `nb` blocks of 256 threads (8 up to `H = 4096`, a multiple of 64; 16
 //!   past it, a multiple of 128: no block owns more than 512 `h`), block `r` owning `h` in
-//!   `[r·H/nb, (r+1)·H/nb)` of every stream with its `fn` slice in shared memory for the whole
-//!   launch. Clusters take tiles of 8 tokens in turn, the next tile's rows copied into shared
-//!   memory (`cp.async`) while the block works on the current one; per tile each block sums its
-//!   partial Σx² and dots over the block (butterflies per warp, then the warps in order),
-//!   exchanges them through distributed shared memory after one cluster barrier (summed in rank
-//!   order, the same bits in every block) and writes its slice of the outputs: the residual is
-//!   read from memory once. A token's reduction order depends on `H` alone (the cluster size is
-//!   a function of `H`). Grid: the clusters the device runs at once
-//!   (`Device::max_active_clusters`), at most one per tile. Shared memory `192·H/nb` bytes per
-//!   block.
+//!   `[r·H/nb, (r+1)·H/nb)` of every stream, each thread one 16-byte chunk of it (stream, 8 `h`)
+//!   with that chunk's `fn` weights in registers for the whole launch. Clusters take tiles of 8
+//!   tokens in turn; per tile each block sums its partial Σx² and dots over the block (butterflies per warp, then the warps in order), exchanges them
+//!   through distributed shared memory after a cluster barrier (summed in rank order, the same
+//!   bits in every block) and writes its slice of the outputs: the residual is read from memory
+//!   once. The tiles are pipelined over three row buffers: while a tile's cluster barrier
+//!   completes (split into arrive and wait, its release covering shared memory only), each block
+//!   forms its partials of the next tile, and the rows of the one after are copied
+//!   (`cp.async`). A token's reduction order depends on `H` alone (the cluster size is a function
+//!   of `H`). Grid: the clusters the device runs at once (`Device::max_active_clusters`), at most
+//!   one per tile. Shared memory `192·H/nb` bytes per block.
 //! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.
 //! - Rows that are not 16-byte aligned or `H % 8 != 0` take element loads with the same
 //!   arithmetic (the same bits).

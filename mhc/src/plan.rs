@@ -288,8 +288,9 @@ pub(crate) fn post(tokens: usize, hidden: usize) -> (LaunchConfig, usize) {
 }
 
 /// Blocks per thread-block cluster of `hc_head` on clusters at hidden size `hidden`: 8, or 16
-/// (NVIDIA sm_90's non-portable size) past `H = 4096`, so that no block owns more than 512 `h`: its
-/// `fn` slice then loads quickly at decode sizes, and two blocks fit a multiprocessor.
+/// (NVIDIA sm_90's non-portable size) past `H = 4096`, so that no block owns more than 512 `h`: each
+/// of its 256 threads then owns at most one 16-byte chunk (stream, 8 `h`), and two blocks fit a
+/// multiprocessor.
 pub(crate) fn cluster_blocks(hidden: usize) -> usize {
     if hidden <= 4096 {
         8
@@ -302,24 +303,25 @@ pub(crate) fn cluster_blocks(hidden: usize) -> usize {
 const CLUSTER_TILE: usize = 8;
 /// Threads per block of `hc_head` on clusters (`MHC_CL_THREADS`).
 const CLUSTER_THREADS: u32 = 256;
-/// Static shared memory of `hc_head` on clusters, bytes (`red`, `part`, `gate`: 1.7 KiB), with
+/// Static shared memory of `hc_head` on clusters, bytes (`red`, `part`, `gate`: 1.9 KiB), with
 /// room to spare.
 const CLUSTER_STATIC_BYTES: u32 = 2048;
 
-/// Dynamic shared memory of a block of `hc_head` on clusters for hidden size `hidden`, bytes: its
-/// `fn` slice (`4 · 4 · Hs` f32, `Hs = H / cluster_blocks(H)`) and two tiles' rows
-/// (`2 · 8 · 4 · Hs` bf16), `192 · Hs` in all.
+/// Dynamic shared memory of a block of `hc_head` on clusters for hidden size `hidden`, bytes: three
+/// tiles' rows (`3 · 8 · 4 · Hs` bf16, `Hs = H / cluster_blocks(H)`), `192 · Hs` (the `fn` slice
+/// stays in registers).
 pub(crate) fn cluster_shared_bytes(hidden: usize) -> usize {
     192 * hidden / cluster_blocks(hidden)
 }
 
 /// Whether `hc_head` runs on clusters at `hidden` on a device with `max_shared` bytes of shared
 /// memory per block: each of a cluster's `nb` blocks owns `H/nb` of every stream in 16-byte chunks
-/// (`H` a multiple of `8·nb`), at most 512 `h` (`H <= 8192`), and its `fn` slice and tile buffers
-/// fit in shared memory.
+/// (`H` a multiple of `8·nb`), at most 512 `h` (`H <= 8192`), and its tile buffers fit in shared
+/// memory.
 pub(crate) fn cluster_head_fits(hidden: usize, max_shared: u32) -> bool {
     hidden > 0
         && hidden.is_multiple_of(8 * cluster_blocks(hidden))
+        && hidden / cluster_blocks(hidden) <= 512
         && hidden <= 8192
         && cluster_shared_bytes(hidden) + CLUSTER_STATIC_BYTES as usize <= max_shared as usize
 }
