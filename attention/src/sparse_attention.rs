@@ -27,16 +27,17 @@
 //!   cluster of [`WG_DEFAULT_SPLIT`] blocks ([`SparseAttention::with_warpgroup_split`]) of two
 //!   warpgroups; block `r` of the cluster takes the row's 64-entry tiles `r, r + split, ..`, and
 //!   the cluster combines the blocks' maxima, running sums and f32 partial outputs in block order
-//!   through distributed shared memory (each block finishes `64 / split` heads). Q sits in shared
-//!   memory for the whole row; the entries stream through two `cp.async`-staged tiles of 64
+//!   through distributed shared memory (each block finishes `64 / split` heads). Q is staged in
+//!   shared memory and read once into warpgroup 0's registers; the entries stream through two `cp.async`-staged tiles of 64
 //!   (their slots fetched a tile ahead) in the 128-byte-swizzled layout, so every warp's copy
 //!   moves whole 128-byte lines at both ends (the no-swizzle layout scattered each row's 16-byte
 //!   pieces 128 bytes apart, which split every 32-byte sector into two requests);
 //!   the warpgroups take turns: warpgroup 0 runs `q·kᵀ` over the whole tile as `wgmma`
-//!   m64n64k16 and the softmax (a row's 64 scores in the four lanes of a quad: running maximum
-//!   and sum in registers), writes `p` (rounded to bf16 as above, double-buffered) and the
-//!   rescale factors, then `p·v` for its half of `head_dim` (`wgmma` m64n256k16); warpgroup 1
-//!   runs `p·v` for the other half from the same `p` and stages the tiles after the first. The
+//!   m64n64k16 with `q` from registers (so it reads only the tile from shared memory) and the
+//!   softmax (a row's 64 scores in the four lanes of a quad: running maximum and sum in
+//!   registers), writes `p` (rounded to bf16 as above, double-buffered) and the rescale factors,
+//!   then `p·v` for `head_dim` 0 .. 127 (`wgmma` m64n128k16); warpgroup 1 runs `p·v` for 128 ..
+//!   511 (m64n256k16 + m64n128k16) from the same `p` and stages the tiles after the first. The
 //!   hand-offs are mbarriers (a tile landed, `p` written, a buffer free), so neither waits for
 //!   the other more than the data requires. f32 accumulation, the scores kept in base 2
 //!   (`s·scale·log2 e`) and exponentiated by the multi-function unit's `2^x` (relative error
@@ -425,16 +426,18 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 // cp.async-staged tiles of 64 entries. Q and the K tiles use the 128-byte swizzle (see the
 // staging below), P the no-swizzle layout of 8 x 8 core matrices (hf_wg_off). The warpgroups
 // take turns: per tile, warpgroup 0 (1) scores all 64 entries against the 64 heads (32 wgmma
-// m64n64k16 over head_dim, Q and K from shared memory), (2) keeps the row maxima and the running
-// sums of the rounded P (a row's 64 entries sit in the four lanes of a quad) and writes P
-// (bf16) and the rescale factors, then (3) accumulates O[:, 0..255] += P · V with four wgmma
-// m64n256k16 (V is the K tile read N-major); warpgroup 1 rescales and accumulates O[:, 256..511]
-// from the same P while warpgroup 0 scores the next tile, and stages the tiles after the first.
+// m64n64k16 over head_dim, Q from registers, loaded once per row, and K from shared memory), (2)
+// keeps the row maxima and the running sums of the rounded P (a row's 64 entries sit in the four
+// lanes of a quad) and writes P (bf16) and the rescale factors, then (3) accumulates
+// O[:, 0..127] += P · V with four wgmma m64n128k16 (V is the K tile read N-major); warpgroup 1
+// rescales and accumulates O[:, 128..511] (m64n256k16 + m64n128k16 per 16 entries) from the same
+// P while warpgroup 0 scores the next tile, and stages the tiles after the first.
 // Every output element's arithmetic depends on its own row and head only.
 #define HF_WG_HEADS 64
 #define HF_WG_NT 64
 #define HF_WG_MAX_SPLIT 8
 #define HF_WG_MBARS 7  // KREADY, PFULL, KFREE (pairs) and WG0
+#define HF_WG_DW0 128  // head_dim columns of O accumulated by warpgroup 0 (the rest: warpgroup 1)
 
 #if defined(HF_HAS_WGMMA)
 #define HF_ATTN_WG 1
@@ -446,10 +449,67 @@ __device__ __forceinline__ uint32_t hf_wg_off(uint32_t r, uint32_t k, uint32_t K
 // 2^x on the multi-function unit (relative error below 2^-22; 2^-inf = 0). The kernel keeps its
 // scores in base 2: e^(s·scale) = 2^(s·scale·log2 e).
 #define HF_WG_LOG2E 1.4426950408889634f
+// A block barrier that the warpgroups may reach from different code (barrier.sync without
+// .aligned; __syncthreads compiles to the aligned form, which all threads must reach at one place).
+__device__ __forceinline__ void hf_wg_block_barrier() { asm volatile("barrier.sync 0;" ::: "memory"); }
 __device__ __forceinline__ float hf_wg_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// O·corr, skipped by warps whose every corr is 1 (the maximum did not move): multiplying by 1
+// changes no bit, so the skip changes none either. N accumulators per thread (m64 x 2N).
+template <uint32_t N>
+__device__ __forceinline__ void hf_wg_rescale(float (&acc)[N], float corr0, float corr1) {
+    if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
+#pragma unroll
+        for (uint32_t i = 0; i < N; ++i) acc[i] *= (i & 2u) ? corr1 : corr0;
+    }
+}
+// acc += P · V over a 64-entry tile (P at descriptor dp, K-major; V at dv, N-major 128-byte
+// swizzle, 64-column blocks 8192 bytes apart), waited for: N = 64, one m64n128k16 per 16
+// entries; N = 192, an m64n256k16 and an m64n128k16 four column blocks on.
+// WAIT false: issued and committed only (hf_wgmma_wait<0>() completes it).
+template <uint32_t N, bool WAIT = true>
+__device__ __forceinline__ void hf_wg_pv(float (&acc)[N], uint64_t dp, uint64_t dv) {
+    static_assert(N == 64u || N == 192u, "128 or 384 columns");
+    hf_wgmma_fence();
+#pragma unroll
+    for (uint32_t kk = 0; kk < HF_WG_NT / 16u; ++kk) {
+        if constexpr (N == 64u) {
+            hf_wgmma_m64n128k16_tb(acc, dp + kk * 16u, dv + kk * (2048u >> 4), 1u);
+        } else {
+            hf_wgmma_m64n256k16_tb(acc, dp + kk * 16u, dv + kk * (2048u >> 4), 1u);
+            hf_wgmma_m64n128k16_tb(acc + 128, dp + kk * 16u, dv + ((4u * 8192u) >> 4) + kk * (2048u >> 4), 1u);
+        }
+    }
+    hf_wgmma_commit();
+    if constexpr (WAIT) hf_wgmma_wait<0>();
+}
+// A thread's two rows of a warpgroup's accumulators (N per thread: 2N columns, n8 chunk j at
+// columns 8j + 2c) scaled by f0 / f1 into bf16 output rows (skipped where null).
+template <uint32_t N>
+__device__ __forceinline__ void hf_wg_store_bf16(const float (&acc)[N], uint32_t* row0, uint32_t* row1, float f0, float f1) {
+#pragma unroll
+    for (uint32_t half = 0; half < 2u; ++half) {
+        uint32_t* row = half ? row1 : row0;
+        const float f = half ? f1 : f0;
+        if (row == nullptr) continue;
+#pragma unroll
+        for (uint32_t j = 0; j < N / 4u; ++j) row[j * 4u] = hf_pack_bf16x2(acc[j * 4u + half * 2u] * f, acc[j * 4u + half * 2u + 1u] * f);
+    }
+}
+// The same rows in f32 (shared memory, a split row's published O).
+template <uint32_t N>
+__device__ __forceinline__ void hf_wg_store_f32(const float (&acc)[N], float* row0, float* row1) {
+#pragma unroll
+    for (uint32_t half = 0; half < 2u; ++half) {
+        float* row = half ? row1 : row0;
+#pragma unroll
+        for (uint32_t j = 0; j < N / 4u; ++j)
+            *(float2*)(row + j * 8u) = make_float2(acc[j * 4u + half * 2u], acc[j * 4u + half * 2u + 1u]);
+    }
 }
 
 __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q, const hf_bf16* __restrict__ main_cache,
@@ -465,6 +525,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     constexpr uint32_t QB = HB * D * 2u, TB = NT * D * 2u, PB = HB * NT * 2u;
     constexpr uint32_t ATOM = NT * 128u;                   // bytes per 64-column block of a K tile
     constexpr uint32_t OST = D + 8u;                       // f32 row stride of O when published
+    constexpr uint32_t DW0 = HF_WG_DW0;                    // warpgroup 0's columns of O
     extern __shared__ __align__(1024) unsigned char hf_smem_wg[];
     // The K tiles' 128-byte swizzle follows address bits 4-9: the layout starts 1024-aligned.
     unsigned char* hf_smem = hf_smem_wg + ((1024u - (hf_smem_addr(hf_smem_wg) & 1023u)) & 1023u);
@@ -545,19 +606,20 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     hf_fence_proxy_async();
     __syncthreads();  // Q and the first tile visible; the mbarriers initialised
 
-    float o[D / 2u / 2u];  // 64 x 256 f32 accumulators of this warpgroup's half of head_dim
-#pragma unroll
-    for (uint32_t i = 0; i < D / 4u; ++i) o[i] = 0.0f;
+    // O's columns: warpgroup 0 accumulates head_dim 0 .. DW0 - 1, warpgroup 1 the rest (each in
+    // its own register array, declared in its branch: 64 x DW0 and 64 x (D - DW0) f32).
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
-    // Operand descriptors at k-step 0 of buffer 0: Q and the K tile (K-major, 128-byte swizzle:
-    // 8-row groups 1024 bytes apart), P (no swizzle) and this warpgroup's half of V (the K tile
-    // read N-major: 64-column blocks ATOM bytes apart, 8-entry groups 1024).
-    const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u), dv0 = hf_wgmma_desc_sw128(ks_a + wg * 4u * ATOM, ATOM, 1024u);
+    // Operand descriptors at k-step 0 of buffer 0: P (no swizzle) and this warpgroup's columns of
+    // V (the K tile read N-major, 128-byte swizzle: 64-column blocks ATOM bytes apart, 8-entry
+    // groups 1024); the K tile's (K-major) is warpgroup 0's, below.
+    const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u),
+                   dv0 = hf_wgmma_desc_sw128(ks_a + (wg ? DW0 / 64u : 0u) * ATOM, ATOM, 1024u);
 
     // The two warpgroups in turn. Warpgroup 0 scores each whole tile (S = Q · K^T, 32 wgmma
-    // m64n64k16), keeps the row maxima and sums (a row's 64 entries sit in the four lanes of a
-    // quad), writes P (bf16) and the rescale factors, then accumulates its half of O. Warpgroup 1
-    // accumulates the other half of O from the same P and stages the tiles after the first. The
+    // m64n64k16, Q from registers), keeps the row maxima and sums (a row's 64 entries sit in the
+    // four lanes of a quad), writes P (bf16) and the rescale factors, then accumulates O's first
+    // DW0 columns. Warpgroup 1 accumulates the rest of O from the same P and stages the tiles
+    // after the first. The
     // hand-offs are mbarriers of 128 arrivals, a pair per signal by parity (so neither side runs
     // two phases ahead on one): KREADY (a tile's copies landed: 1 arrives, 0 waits; pair index
     // and phase from tile - 1), PFULL (P and factors written: 0 arrives, 1 waits), KFREE
@@ -565,42 +627,135 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     // (warpgroup 0's own P written, before its P · V). A tile's pair is tile % 2 and its phase
     // parity (tile / 2) % 2. P and the factors are double-buffered: warpgroup 0 rewrites those
     // of tile it only after KREADY of tile it + 2, which warpgroup 1 gives after its P · V of it.
-    // O·corr, skipped by warps whose every corr is 1 (the maximum did not move): multiplying by 1
-    // changes no bit, so the skip changes none either.
-    auto rescale = [&](float corr0, float corr1) {
-        if (__any_sync(0xffffffffu, corr0 != 1.0f || corr1 != 1.0f)) {
-#pragma unroll
-            for (uint32_t i = 0; i < D / 4u; ++i) o[i] *= (i & 2u) ? corr1 : corr0;
-        }
-    };
-    // (3) O[:, 256·wg ..] += P · V for the tile in buffer b (V = the K tile, N-major), waited for.
-    auto pv = [&](uint32_t b) {
-        const uint64_t dv = dv0 + (uint64_t)(b * (TB >> 4)), dp = dp0 + (uint64_t)(b * (PB >> 4));
-        hf_wgmma_fence();
-#pragma unroll
-        for (uint32_t kk = 0; kk < NT / 16u; ++kk)
-            hf_wgmma_m64n256k16_tb(o, dp + kk * 16u, dv + kk * (2048u >> 4), 1u);
-        hf_wgmma_commit();
-        hf_wgmma_wait<0>();
-    };
     const uint32_t BAR_KREADY = mbar, BAR_PFULL = mbar + 16u, BAR_KFREE = mbar + 32u, BAR_WG0 = mbar + 48u;
     float* corr_s = red;  // [2][HB]: the rescale factors of the tile of each parity
+    // The end of the row, which each warpgroup reaches in its own branch with its accumulators
+    // (N per thread: O's columns dbase .. dbase + 2N - 1): finish_sums, then for an unsplit row
+    // the scaled outputs (out_row, out_factor and hf_wg_store_bf16), for a split row O published
+    // (hf_wg_store_f32 into `os`) and finish_combine. Their block barriers are the unaligned form.
+    float* ms = bias;                          // [HB] maxima (the validity flags are no longer read)
+    float* os = (float*)(hf_smem + QB);        // a split row's O in f32 (rows of OST floats over the K tiles and P)
+    auto finish_sums = [&]() {
+        hf_cp_async_wait<0>();
+        // Sink and normalisation with warpgroup 0's running maxima and sums.
+        hf_wg_block_barrier();  // every MMA of both warpgroups is done with K and P
+        if (wg == 0u && c == 0u) {
+            ms[r0] = m0;
+            ms[r1] = m1;
+            red[r0] = l0;
+            red[r1] = l1;
+        }
+        hf_wg_block_barrier();
+    };
+    // Row `half` of this thread's (r0, r1) in the output at column dbase + 2c, or null past H.
+    auto out_row = [&](uint32_t half, uint32_t dbase) -> uint32_t* {
+        const uint32_t h = hbase + (half ? r1 : r0);
+        return h < H ? (uint32_t*)(out + ((uint64_t)t * H + h) * D + dbase + 2u * c) : nullptr;
+    };
+    // The factor of an unsplit row's outputs: corr / (l·corr + 2^(sink - m')), m' = max(m, sink).
+    auto out_factor = [&](uint32_t half) -> float {
+        const uint32_t hr = half ? r1 : r0, h = hbase + hr;
+        if (h >= H) return 0.0f;
+        const float m = ms[hr], sk = sink[h] * HF_WG_LOG2E;
+        const float mn = fmaxf(m, sk);
+        const float corr = m == NEG_INF ? 0.0f : hf_wg_exp2(m - mn);
+        const float lp = red[hr] * corr + hf_wg_exp2(sk - mn);
+        return lp > 0.0f ? corr / fmaxf(lp, 1e-30f) : 0.0f;
+    };
+    // A split row, once every block published its maxima (`ms`), running sums (`red`) and O
+    // (`os`): block `rank` finishes heads [rank·HB/ns, (rank+1)·HB/ns) from all of them, in block
+    // order: M = max(m_0, .., m_{ns-1}, sink), L = sum_c l_c·2^(m_c - M) + 2^(sink - M), and
+    // out = sum_c O_c·(2^(m_c - M) / L). The weights go over Q (no longer read).
+    auto finish_combine = [&]() {
+        hf_cluster_sync();
+        const uint32_t share = HB / ns, h0 = rank * share;
+        float* wsm = (float*)hf_smem;  // [HF_WG_MAX_SPLIT][HB]
+        if (tid < share) {
+            const uint32_t hr = h0 + tid, h = hbase + hr;
+            const float sk = h < H ? sink[h] * HF_WG_LOG2E : 0.0f;
+            float mc[HF_WG_MAX_SPLIT];
+            float mx = sk;
+#pragma unroll
+            for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
+                mc[k] = k < ns ? hf_cluster_load_f32(ms + hr, k) : NEG_INF;
+                mx = fmaxf(mx, mc[k]);
+            }
+            float lt = 0.0f;
+#pragma unroll
+            for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
+                mc[k] = mc[k] == NEG_INF ? 0.0f : hf_wg_exp2(mc[k] - mx);
+                if (k < ns) lt += hf_cluster_load_f32(red + hr, k) * mc[k];
+            }
+            lt += hf_wg_exp2(sk - mx);
+            const float f = lt > 0.0f ? 1.0f / fmaxf(lt, 1e-30f) : 0.0f;
+#pragma unroll
+            for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k)
+                if (k < ns) wsm[k * HB + tid] = mc[k] * f;
+        }
+        hf_wg_block_barrier();
+        for (uint32_t i = tid; i < share * (D / 4u); i += NTH) {
+            const uint32_t hl = i / (D / 4u), d4 = (i % (D / 4u)) * 4u, h = hbase + h0 + hl;
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+            for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
+                if (k >= ns) break;
+                const float w = wsm[k * HB + hl];
+                const float4 v = hf_cluster_load_f32x4(os + (h0 + hl) * OST + d4, k);
+                acc.x = fmaf(v.x, w, acc.x);
+                acc.y = fmaf(v.y, w, acc.y);
+                acc.z = fmaf(v.z, w, acc.z);
+                acc.w = fmaf(v.w, w, acc.w);
+            }
+            if (h < H) {
+                uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + d4);
+                orow[0] = hf_pack_bf16x2(acc.x, acc.y);
+                orow[1] = hf_pack_bf16x2(acc.z, acc.w);
+            }
+        }
+        hf_cluster_sync();  // no block leaves while the others may still read its shared memory
+    };
+    // Each warpgroup's end of the row with its accumulators.
+#define HF_WG_FINISH(acc, dbase)                                                                        \
+    do {                                                                                                \
+        finish_sums();                                                                                  \
+        if (ns == 1u) {                                                                                 \
+            hf_wg_store_bf16(acc, out_row(0u, dbase), out_row(1u, dbase), out_factor(0u), out_factor(1u)); \
+        } else {                                                                                        \
+            hf_wg_store_f32(acc, os + r0 * OST + (dbase) + 2u * c, os + r1 * OST + (dbase) + 2u * c);   \
+            finish_combine();                                                                           \
+        }                                                                                               \
+    } while (0)
     if (wg == 0u) {
         const float scale2 = scale * HF_WG_LOG2E;
-        const uint64_t dq0 = hf_wgmma_desc_sw128(qs_a, 16u, 1024u), dk0 = hf_wgmma_desc_sw128(ks_a, 16u, 1024u);
+        const uint64_t dk0 = hf_wgmma_desc_sw128(ks_a, 16u, 1024u);
+        // Q as wgmma A fragments in registers for the whole row, k-step ks in qf[ks] (ldmatrix from
+        // the swizzled Q tile: lane l reads row (l / 8 % 2)·8 + l % 8 of its warp's 16, columns
+        // 16·ks + (l / 16)·8 ..): the scores then read only K from shared memory.
+        uint32_t qf[D / 16u][4];
+        {
+            const uint32_t rq = warp * 16u + ((lane >> 3) & 1u) * 8u + (lane & 7u);
+#pragma unroll
+            for (uint32_t ks = 0; ks < D / 16u; ++ks) {
+                const uint32_t k = ks * 16u + (lane >> 4) * 8u;
+                hf_ldsm_x4(qs_a + (k >> 6) * (HB * 128u) + rq * 128u + ((((k & 63u) >> 3) ^ (rq & 7u)) << 4), qf[ks][0],
+                           qf[ks][1], qf[ks][2], qf[ks][3]);
+            }
+        }
+        float o[DW0 / 2u];  // 64 x DW0 f32 accumulators: O[:, 0 .. DW0 - 1]
+#pragma unroll
+        for (uint32_t i = 0; i < DW0 / 2u; ++i) o[i] = 0.0f;
         for (uint32_t it = 0; it < nloc; ++it) {
             const uint32_t b = it & 1u;
             if (it > 0u) hf_mbar_wait(BAR_KREADY + 8u * ((it - 1u) & 1u), ((it - 1u) >> 1) & 1u);
-            // (1) S = Q · K^T over the tile's 64 entries. Descriptors advance by their start
-            // address (bytes / 16): 32 bytes per k-step within a 64-column block (the swizzle
-            // applies to the final address), a block's bytes across.
+            // (1) S = Q · K^T over the tile's 64 entries, Q from registers. The K descriptor
+            // advances by its start address (bytes / 16): 32 bytes per k-step within a 64-column
+            // block (the swizzle applies to the final address), a block's bytes across.
             float s[32];
             const uint64_t dk = dk0 + (uint64_t)(b * (TB >> 4));
             hf_wgmma_fence();
 #pragma unroll
             for (uint32_t ks = 0; ks < D / 16u; ++ks)
-                hf_wgmma_m64n64k16(s, dq0 + (ks >> 2) * ((HB * 128u) >> 4) + (ks & 3u) * 2u,
-                                   dk + (ks >> 2) * (ATOM >> 4) + (ks & 3u) * 2u, ks > 0u ? 1u : 0u);
+                hf_wgmma_m64n64k16_rs(s, qf[ks], dk + (ks >> 2) * (ATOM >> 4) + (ks & 3u) * 2u, ks > 0u ? 1u : 0u);
             hf_wgmma_commit();
             hf_wgmma_wait<0>();
 
@@ -659,13 +814,14 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
             l1 = l1 * corr1 + rs1;
             m0 = n0;
             m1 = n1;
-            rescale(corr0, corr1);
+            hf_wg_rescale(o, corr0, corr1);
             hf_mbar_arrive(BAR_WG0);
             hf_mbar_wait(BAR_WG0, it & 1u);  // P of the whole warpgroup written
 
-            pv(b);  // (3) O[:, 0 .. 256] += P · V
+            hf_wg_pv(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(b * (TB >> 4)));  // (3) O[:, 0 .. DW0 - 1] += P · V
             if (it + 2u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * b);
         }
+        HF_WG_FINISH(o, 0u);
     } else {
         const uint32_t u1 = tid - 128u, se = u1 >> 3, c8 = u1 & 7u;
         // This thread's four entries of local tile `i`: their slots, then their copies.
@@ -678,6 +834,9 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
 #pragma unroll
             for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + i * ns, b, se + 16u * u, c8, sl[u]);
         };
+        float o[(D - DW0) / 2u];  // 64 x (D - DW0) f32 accumulators: O[:, DW0 .. D - 1]
+#pragma unroll
+        for (uint32_t i = 0; i < (D - DW0) / 2u; ++i) o[i] = 0.0f;
         if (nloc > 1u) {
             fetch4(1u);
             stage4(1u, 1u);
@@ -686,15 +845,18 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         if (nloc > 2u) fetch4(2u);
         for (uint32_t it = 0; it < nloc; ++it) {
             const uint32_t b = it & 1u;
-            // Tile it + 1 (staged a tile ago) to warpgroup 0 as soon as it landed.
+            // P · V of tile it issued, then tile it + 1 (staged a tile ago) to warpgroup 0 once it
+            // landed: a tile whose copies are late holds back no P · V.
+            hf_mbar_wait(BAR_PFULL + 8u * b, (it >> 1) & 1u);
+            hf_wg_rescale(o, corr_s[b * HB + r0], corr_s[b * HB + r1]);
+            // (3) O[:, DW0 .. D - 1] += P · V
+            hf_wg_pv<(D - DW0) / 2u, false>(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(b * (TB >> 4)));
             if (it + 1u < nloc) {
                 hf_cp_async_wait<0>();
                 hf_fence_proxy_async();
                 hf_mbar_arrive(BAR_KREADY + 8u * b);  // tile it + 1: pair it % 2, phase it / 2
             }
-            hf_mbar_wait(BAR_PFULL + 8u * b, (it >> 1) & 1u);
-            rescale(corr_s[b * HB + r0], corr_s[b * HB + r1]);
-            pv(b);  // (3) O[:, 256 .. 512] += P · V
+            hf_wgmma_wait<0>();
             if (it + 2u < nloc) {  // tile it + 2 into buffer b once warpgroup 0 is done with it
                 hf_mbar_wait(BAR_KFREE + 8u * b, (it >> 1) & 1u);
                 stage4(it + 2u, b);
@@ -702,95 +864,9 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
                 if (it + 3u < nloc) fetch4(it + 3u);
             }
         }
+        HF_WG_FINISH(o, DW0);
+#undef HF_WG_FINISH
     }
-    hf_cp_async_wait<0>();
-
-    // Sink and normalisation with warpgroup 0's running maxima and sums.
-    __syncthreads();  // every MMA of both warpgroups is done with K and P
-    float* ms = bias;  // [HB] maxima (the validity flags are no longer read)
-    if (wg == 0u && c == 0u) {
-        ms[r0] = m0;
-        ms[r1] = m1;
-        red[r0] = l0;
-        red[r1] = l1;
-    }
-    __syncthreads();
-    if (ns == 1u) {
-#pragma unroll
-        for (uint32_t half = 0; half < 2u; ++half) {
-            const uint32_t hr = half ? r1 : r0, h = hbase + hr;
-            if (h >= H) continue;
-            const float m = ms[hr], sk = sink[h] * HF_WG_LOG2E;
-            const float mn = fmaxf(m, sk);
-            const float corr = m == NEG_INF ? 0.0f : hf_wg_exp2(m - mn);
-            const float lp = red[hr] * corr + hf_wg_exp2(sk - mn);
-            const float f = lp > 0.0f ? corr / fmaxf(lp, 1e-30f) : 0.0f;
-            uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + wg * (D / 2u) + 2u * c);
-#pragma unroll
-            for (uint32_t j = 0; j < D / 16u; ++j)
-                orow[j * 4u] = hf_pack_bf16x2(o[j * 4u + half * 2u] * f, o[j * 4u + half * 2u + 1u] * f);
-        }
-        return;
-    }
-    // A split row: every block publishes its maxima (`ms`), its running sums (`red`) and its O
-    // in f32 (rows of OST floats over the K tiles and P) ...
-    float* os = (float*)(hf_smem + QB);
-#pragma unroll
-    for (uint32_t half = 0; half < 2u; ++half) {
-        float* orow = os + (half ? r1 : r0) * OST + wg * (D / 2u) + 2u * c;
-#pragma unroll
-        for (uint32_t j = 0; j < D / 16u; ++j)
-            *(float2*)(orow + j * 8u) = make_float2(o[j * 4u + half * 2u], o[j * 4u + half * 2u + 1u]);
-    }
-    hf_cluster_sync();
-    // ... then block `rank` finishes heads [rank·HB/ns, (rank+1)·HB/ns) from all of them, in block
-    // order: M = max(m_0, .., m_{ns-1}, sink), L = sum_c l_c·2^(m_c - M) + 2^(sink - M), and
-    // out = sum_c O_c·(2^(m_c - M) / L). The weights go over Q (no longer read).
-    const uint32_t share = HB / ns, h0 = rank * share;
-    float* wsm = (float*)hf_smem;  // [HF_WG_MAX_SPLIT][HB]
-    if (tid < share) {
-        const uint32_t hr = h0 + tid, h = hbase + hr;
-        const float sk = h < H ? sink[h] * HF_WG_LOG2E : 0.0f;
-        float mc[HF_WG_MAX_SPLIT];
-        float mx = sk;
-#pragma unroll
-        for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
-            mc[k] = k < ns ? hf_cluster_load_f32(ms + hr, k) : NEG_INF;
-            mx = fmaxf(mx, mc[k]);
-        }
-        float lt = 0.0f;
-#pragma unroll
-        for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
-            mc[k] = mc[k] == NEG_INF ? 0.0f : hf_wg_exp2(mc[k] - mx);
-            if (k < ns) lt += hf_cluster_load_f32(red + hr, k) * mc[k];
-        }
-        lt += hf_wg_exp2(sk - mx);
-        const float f = lt > 0.0f ? 1.0f / fmaxf(lt, 1e-30f) : 0.0f;
-#pragma unroll
-        for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k)
-            if (k < ns) wsm[k * HB + tid] = mc[k] * f;
-    }
-    __syncthreads();
-    for (uint32_t i = tid; i < share * (D / 4u); i += NTH) {
-        const uint32_t hl = i / (D / 4u), d4 = (i % (D / 4u)) * 4u, h = hbase + h0 + hl;
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (uint32_t k = 0; k < HF_WG_MAX_SPLIT; ++k) {
-            if (k >= ns) break;
-            const float w = wsm[k * HB + hl];
-            const float4 v = hf_cluster_load_f32x4(os + (h0 + hl) * OST + d4, k);
-            acc.x = fmaf(v.x, w, acc.x);
-            acc.y = fmaf(v.y, w, acc.y);
-            acc.z = fmaf(v.z, w, acc.z);
-            acc.w = fmaf(v.w, w, acc.w);
-        }
-        if (h < H) {
-            uint32_t* orow = (uint32_t*)(out + ((uint64_t)t * H + h) * D + d4);
-            orow[0] = hf_pack_bf16x2(acc.x, acc.y);
-            orow[1] = hf_pack_bf16x2(acc.z, acc.w);
-        }
-    }
-    hf_cluster_sync();  // no block leaves while the others may still read its shared memory
 }
 #endif
 

@@ -131,7 +131,9 @@ HF_KERNEL void hf_cluster_sum(const float* x, float* out, uint32_t cluster, uint
 // (r, k) at (k / 64)·128R + 128r + (((k % 64) / 8) ^ (r % 8))·16 + (k % 8)·2 from a 1024-aligned
 // base. Bit 1 of `swizzle` (values 2, 3): s instead comes from warpgroup 0 alone (wgmma
 // m64n64k16 over all 64 columns), handed to warpgroup 1 through shared memory and an mbarrier,
-// which writes it. Without warpgroup MMA, s and o are NaN.
+// which writes it. Bit 2 (values 4 .. 7): o's 256 columns per warpgroup as two m64n128k16, and
+// with bit 1 warpgroup 0's a from registers (ldmatrix; hf_wgmma_m64n64k16_rs). Without warpgroup
+// MMA, s and o are NaN.
 HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16* v, float* s, float* o,
                               uint32_t swizzle) {
     const uint32_t tid = threadIdx.x;
@@ -139,7 +141,7 @@ HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16
     extern __shared__ __align__(1024) unsigned char hf_smem_raw[];
     unsigned char* hf_smem = hf_smem_raw + ((1024u - (hf_smem_addr(hf_smem_raw) & 1023u)) & 1023u);
     const uint32_t a_s = hf_smem_addr(hf_smem), b_s = a_s + 8192u, v_s = a_s + 16384u;
-    const bool sw = (swizzle & 1u) != 0u, whole = (swizzle & 2u) != 0u;
+    const bool sw = (swizzle & 1u) != 0u, whole = (swizzle & 2u) != 0u, regs = (swizzle & 4u) != 0u;
     __shared__ float s_handoff[64 * 64];
     __shared__ __align__(8) unsigned long long s_bar;
     if (tid == 0u) hf_mbar_init(hf_smem_addr(&s_bar), 128u);
@@ -163,10 +165,22 @@ HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16
     if (whole) {
         if (wg == 0u) {
             float acc[32];
+            // With bit 2, a from registers (ldmatrix, the layout hf_wgmma_m64n64k16_rs documents).
+            uint32_t af[4][4];
+            if (regs) {
+                const uint32_t lane = tid & 31u, r = ((tid >> 5) & 3u) * 16u + ((lane >> 3) & 1u) * 8u + (lane & 7u);
+#pragma unroll
+                for (uint32_t ks = 0; ks < 4u; ++ks)
+                    hf_ldsm_x4(a_s + off(r, ks * 16u + (lane >> 4) * 8u, 64u, 64u), af[ks][0], af[ks][1], af[ks][2], af[ks][3]);
+            }
             hf_wgmma_fence();
 #pragma unroll
-            for (uint32_t ks = 0; ks < 4u; ++ks)
-                hf_wgmma_m64n64k16(acc, kmajor(a_s, ks), kmajor(b_s, ks), ks > 0u ? 1u : 0u);
+            for (uint32_t ks = 0; ks < 4u; ++ks) {
+                if (regs)
+                    hf_wgmma_m64n64k16_rs(acc, af[ks], kmajor(b_s, ks), ks > 0u ? 1u : 0u);
+                else
+                    hf_wgmma_m64n64k16(acc, kmajor(a_s, ks), kmajor(b_s, ks), ks > 0u ? 1u : 0u);
+            }
             hf_wgmma_commit();
             hf_wgmma_wait<0>();
 #pragma unroll
@@ -200,7 +214,13 @@ HF_KERNEL void hf_wgmma_check(const hf_bf16* a, const hf_bf16* bk, const hf_bf16
         // N-major v: 16 rows of K per step; this warpgroup's 256 columns.
         const uint64_t dv = sw ? hf_wgmma_desc_sw128(v_s + kk * 2u * 1024u + wg * 4u * 8192u, 8192u, 1024u)
                                : hf_wgmma_desc(v_s + kk * 2u * 8192u + wg * 32u * 128u, 8192u, 128u);
-        hf_wgmma_m64n256k16_tb(acc2, kmajor(a_s, kk), dv, kk > 0u ? 1u : 0u);
+        if (regs) {  // with bit 2, the same 256 columns as two m64n128k16 (128 columns = 2 blocks apart)
+            const uint64_t dv2 = dv + (sw ? (2u * 8192u) >> 4 : (16u * 128u) >> 4);
+            hf_wgmma_m64n128k16_tb(acc2, kmajor(a_s, kk), dv, kk > 0u ? 1u : 0u);
+            hf_wgmma_m64n128k16_tb(acc2 + 64, kmajor(a_s, kk), dv2, kk > 0u ? 1u : 0u);
+        } else {
+            hf_wgmma_m64n256k16_tb(acc2, kmajor(a_s, kk), dv, kk > 0u ? 1u : 0u);
+        }
     }
     hf_wgmma_commit();
     hf_wgmma_wait<0>();
@@ -346,8 +366,9 @@ fn bf16_round_check(l: &CpuLaunch<'_>) -> Result<()> {
 /// integer definition over `hi_count · 2¹⁶` bit patterns from `hi_first << 16`; the CPU checks
 /// the definition against the `half` crate), `hf_cluster_sum` (clusters' shared memory) and
 /// `hf_wgmma_check` (warpgroup MMA's operand layouts, no swizzle or the 128-byte swizzle by bit 0
-/// of its `swizzle` argument, and with bit 1 the first product from one warpgroup's m64n64k16
-/// handed to the other through an mbarrier: `[64, 64] · [64, 64]ᵀ` and `[64, 64] · [64, 512]` in
+/// of its `swizzle` argument, with bit 1 the first product from one warpgroup's m64n64k16
+/// handed to the other through an mbarrier, and with bit 2 the second product as m64n128k16 pairs
+/// and (with bit 1) the first with its A operand in registers: `[64, 64] · [64, 64]ᵀ` and `[64, 64] · [64, 512]` in
 /// f32, one block of 256 threads with [`WGMMA_CHECK_SHARED_BYTES`]).
 pub fn source() -> &'static KernelSource {
     static SRC: OnceLock<KernelSource> = OnceLock::new();

@@ -733,8 +733,9 @@ fn warpgroup_mma_layouts_match_the_definition(dev: &Device) {
     let cfg =
         LaunchConfig { grid: (1, 1, 1), block: (256, 1, 1), shared_mem_bytes: demo_kernels::WGMMA_CHECK_SHARED_BYTES };
     // Both layouts: no swizzle, then the 128-byte swizzle; then both again with a·bkᵀ from one
-    // warpgroup's m64n64k16, handed to the other through an mbarrier.
-    for swizzle in [0u32, 1, 2, 3] {
+    // warpgroup's m64n64k16, handed to the other through an mbarrier; then all four with a·v as
+    // m64n128k16 pairs, and (with the hand-off) a from registers (ldmatrix, the RS form).
+    for swizzle in 0u32..8 {
         s.memset(&sb.view(), 0xff).expect("poison s");
         s.memset(&ob.view(), 0xff).expect("poison o");
         let args: [Arg; 6] = [(&ab).into(), (&bb).into(), (&vb).into(), (&sb).into(), (&ob).into(), swizzle.into()];
