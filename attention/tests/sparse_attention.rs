@@ -261,6 +261,18 @@ fn the_portable_kernel_matches_too_and_tensor_cores_are_picked_where_they_fit(de
             Err(e) => assert!(!want && e.to_string().contains("tensor-core kernel needs"), "head_dim {d}: {e}"),
         }
     }
+    // The throughput split: 1 from the fewest rows whose blocks (one per 64-head group) fill
+    // three quarters of the device, the current split below that and for kernels without splits.
+    let units = dev.info().compute_units.max(1) as usize;
+    for heads in [64usize, 128] {
+        let k = SparseAttention::new(dev, heads, WG_HEAD_DIM).expect("kernel");
+        let fill = (3 * units).div_ceil(4 * heads.div_ceil(64));
+        let below = fill.saturating_sub(1);
+        assert_eq!(k.throughput_split(below), k.warpgroup_split(), "{heads} heads, {below} rows");
+        let want = if k.uses_warpgroup() { 1 } else { k.warpgroup_split() };
+        assert_eq!(k.throughput_split(fill), want, "{heads} heads, {fill} rows");
+        assert_eq!(k.throughput_split(usize::MAX), want, "{heads} heads, every row");
+    }
     if dev.info().has_bf16_mma() {
         matches_f64_with(dev, AttentionKernel::TensorCore.into());
         row_alone_vs_batch(dev, 64, 512, 160, 96, AttentionKernel::TensorCore.into());

@@ -8,13 +8,16 @@
 //! these bytes are really moved), the queries and outputs (`rows × heads × head_dim × 2` each),
 //! the slot lists (`rows × entries × 4`) and the two indptr arrays.
 //!
-//! Each shape is timed with the kernel [`SparseAttention::new`] picks and, on a device with
-//! warpgroup MMA at head_dim 512 (where `new` picks the warpgroup kernel, its rows split in
-//! [`WG_DEFAULT_SPLIT`] blocks), also with the tensor-core kernel (case suffix ` mma`) and with the
-//! warpgroup kernel at every other row split of [`WG_SPLITS`] (suffix ` wg/N`), side by side on
-//! the same inputs. [`attend_case`] is the only place that calls the kernel's API.
+//! Each shape is timed with the kernel [`SparseAttention::new`] picks at the row split a model
+//! runner built for that batch (`max_num_seqs` = batch) runs it with
+//! ([`SparseAttention::throughput_split`]: 1 where the batch's rows fill the device, else the
+//! kernel's [`holdfast_attention::WG_DEFAULT_SPLIT`]; the row's note names it) and, on a device
+//! with warpgroup MMA at head_dim 512 (where `new` picks the warpgroup kernel), also with the
+//! tensor-core kernel (case suffix ` mma`) and with the warpgroup kernel at every other row split
+//! of [`WG_SPLITS`] (suffix ` wg/N`), side by side on the same inputs. [`attend_case`] is the
+//! only place that calls the kernel's API.
 
-use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, WG_DEFAULT_SPLIT, WG_HEAD_DIM, WG_SPLITS};
+use holdfast_attention::{AttentionKernel, RaggedKv, SparseAttention, WG_HEAD_DIM, WG_SPLITS};
 use holdfast_hal::bf16;
 
 use crate::ctx::{Ctx, Scale};
@@ -87,10 +90,14 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     let warpgroup = ctx.dev.info().has_wgmma();
     for shape in shapes(ctx.scale) {
-        let mut kernels = vec![(AttentionKernel::Auto, None)];
+        // The default row: the kernel and split a runner built for batches of `shape.batch` rows
+        // runs (`RunnerSettings::attention_row_split` unset: `throughput_split(max_num_seqs)`).
+        let auto = SparseAttention::new(&ctx.dev, shape.heads, shape.head_dim)?;
+        let auto_split = auto.uses_warpgroup().then(|| auto.throughput_split(shape.batch));
+        let mut kernels = vec![(AttentionKernel::Auto, auto_split)];
         if warpgroup && shape.head_dim == WG_HEAD_DIM {
             kernels.push((AttentionKernel::TensorCore, None));
-            let others = WG_SPLITS.iter().filter(|&&n| n != WG_DEFAULT_SPLIT);
+            let others = WG_SPLITS.iter().filter(|&&n| Some(n) != auto_split);
             kernels.extend(others.map(|&n| (AttentionKernel::Warpgroup, Some(n))));
         }
         for (kernel, split) in kernels {
@@ -99,8 +106,13 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
                 .with_flops(shape.flops())
                 .with_bound(Bound::Copy);
             // The target is the default kernel's; the other rows are comparisons.
-            if shape.batch >= 64 && kernel == AttentionKernel::Auto {
-                row = row.with_target(Target::FractionAtLeast(BANDWIDTH_TARGET));
+            if kernel == AttentionKernel::Auto {
+                if let Some(n) = split {
+                    row = row.with_note(format!("warpgroup kernel, rows split in {n}"));
+                }
+                if shape.batch >= 64 {
+                    row = row.with_target(Target::FractionAtLeast(BANDWIDTH_TARGET));
+                }
             }
             rows.push(row);
         }

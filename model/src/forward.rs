@@ -379,6 +379,18 @@ impl ModelForward {
         &self.cfg
     }
 
+    /// Blocks sharing each attention row of the warpgroup attention kernel (1 where another
+    /// kernel runs).
+    pub fn attention_row_split(&self) -> usize {
+        self.attn.warpgroup_split()
+    }
+
+    /// The row split that favours throughput for steps of up to `max_rows` attention rows
+    /// ([`holdfast_attention::SparseAttention::throughput_split`], for this shard's heads).
+    pub fn throughput_attention_split(&self, max_rows: usize) -> usize {
+        self.attn.throughput_split(max_rows)
+    }
+
     /// Spreads each attention row over `split` blocks of the warpgroup attention kernel (one of
     /// [`holdfast_attention::WG_SPLITS`]; see `RunnerSettings::attention_row_split`). Call it
     /// before any step is captured: captured graphs keep the kernel they were captured with.

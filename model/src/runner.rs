@@ -46,12 +46,15 @@ pub struct RunnerSettings {
     /// Longest prefill chunk of one request per step (0: only the token budget limits it).
     pub long_prefill_token_threshold: usize,
     /// Blocks sharing each attention row on the warpgroup attention kernel (NVIDIA sm_90a,
-    /// head_dim 512, at least 64 heads): one of 1, 2, 4 or 8; `None` keeps the kernel's default
-    /// (2). More blocks cut one request's latency over long contexts (at 1M tokens, 64 heads,
-    /// one row: about 3× faster with 8 than with 2 on an H100) and cost throughput from about 64
+    /// head_dim 512, at least 64 heads): one of 1, 2, 4 or 8. `None` picks from `max_num_seqs`:
+    /// 1 where that many rows fill the device without splitting (at least three quarters of its
+    /// multiprocessors busy with one block per row and 64-head group; see
+    /// `holdfast_attention::SparseAttention::throughput_split`), else the kernel's default (2).
+    /// More blocks cut one request's latency over long contexts (at 1M tokens, 64 heads, one
+    /// row: about 3× faster with 8 than with 2 on an H100) and cost throughput from about 64
     /// rows (1.25–1.4× slower with 8 at 64–256 rows when last measured across splits). Fixed for
-    /// the runner, so a row's output never depends on its batch. An error where the device does
-    /// not run that kernel.
+    /// the runner, so a row's output never depends on its batch. An error (when given) where the
+    /// device does not run that kernel.
     pub attention_row_split: Option<usize>,
 }
 
@@ -282,7 +285,9 @@ impl ModelRunner {
             max_model_len: s.max_model_len,
         };
         let mut forward = ModelForward::new_tp(dev, cfg, weights, limits, kv.swa_table(), kv.kv_table(), tp)?;
-        if let Some(split) = s.attention_row_split {
+        // Fixed for the runner (never per step), so a row's output never depends on its batch.
+        let split = s.attention_row_split.unwrap_or_else(|| forward.throughput_attention_split(s.max_num_seqs));
+        if s.attention_row_split.is_some() || split != forward.attention_row_split() {
             forward.set_attention_row_split(dev, split)?;
         }
         let arena = forward.arena().clone();

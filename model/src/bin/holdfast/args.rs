@@ -63,7 +63,8 @@ pub struct Common {
     pub long_prefill_threshold: usize,
     /// Blocks sharing each attention row (1, 2, 4 or 8) on the warpgroup attention kernel
     /// (NVIDIA sm_90a, head_dim 512): more cut one request's latency over long contexts, fewer
-    /// keep large batches fast (default: the kernel's 2). An error on other devices and shapes.
+    /// keep large batches fast (default: 1 where --max-num-seqs rows fill the GPU, else the
+    /// kernel's 2). An error on other devices and shapes.
     #[arg(long, value_name = "N")]
     pub attention_split: Option<usize>,
 }
