@@ -631,8 +631,9 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     float* corr_s = red;  // [2][HB]: the rescale factors of the tile of each parity
     // The end of the row, which each warpgroup reaches in its own branch with its accumulators
     // (N per thread: O's columns dbase .. dbase + 2N - 1): finish_sums, then for an unsplit row
-    // the scaled outputs (out_row, out_factor and hf_wg_store_bf16), for a split row O published
-    // (hf_wg_store_f32 into `os`) and finish_combine. Their block barriers are the unaligned form.
+    // the scaled outputs (stage_row, out_factor and hf_wg_store_bf16, then copy_out), for a
+    // split row O published (hf_wg_store_f32 into `os`) and finish_combine. Their block barriers
+    // are the unaligned form.
     float* ms = bias;                          // [HB] maxima (the validity flags are no longer read)
     float* os = (float*)(hf_smem + QB);        // a split row's O in f32 (rows of OST floats over the K tiles and P)
     auto finish_sums = [&]() {
@@ -647,10 +648,27 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         }
         hf_wg_block_barrier();
     };
-    // Row `half` of this thread's (r0, r1) in the output at column dbase + 2c, or null past H.
-    auto out_row = [&](uint32_t half, uint32_t dbase) -> uint32_t* {
-        const uint32_t h = hbase + (half ? r1 : r0);
-        return h < H ? (uint32_t*)(out + ((uint64_t)t * H + h) * D + dbase + 2u * c) : nullptr;
+    // An unsplit row's outputs are staged in bf16 over the K tiles (free once finish_sums ran),
+    // rows of OSB bytes (16 bytes of padding: a warp's 4-byte stores of 8 rows x 4 columns hit
+    // 32 distinct banks), then copied out in 16-byte pieces, a warp writing 512 contiguous bytes:
+    // the accumulators' layout would give each store instruction 8 rows x 16 bytes (half sectors).
+    constexpr uint32_t OSB = D * 2u + 16u;
+    static_assert(HB * OSB <= 2u * TB, "the staged outputs fit over the two K tiles");
+    unsigned char* ob = hf_smem + QB;
+    // Row `half` of this thread's (r0, r1) in the staged outputs at column dbase + 2c, or null
+    // past H.
+    auto stage_row = [&](uint32_t half, uint32_t dbase) -> uint32_t* {
+        const uint32_t hr = half ? r1 : r0;
+        return hbase + hr < H ? (uint32_t*)(ob + hr * OSB + (dbase + 2u * c) * 2u) : nullptr;
+    };
+    // The staged rows (heads below H) to the output, once both warpgroups staged theirs.
+    auto copy_out = [&]() {
+        hf_wg_block_barrier();
+        for (uint32_t i = tid; i < HB * (D / 8u); i += NTH) {
+            const uint32_t hr = i / (D / 8u), ch = i % (D / 8u), h = hbase + hr;
+            if (h < H)
+                *(uint4*)(out + ((uint64_t)t * H + h) * D + ch * 8u) = *(const uint4*)(ob + hr * OSB + ch * 16u);
+        }
     };
     // The factor of an unsplit row's outputs: corr / (l·corr + 2^(sink - m')), m' = max(m, sink).
     auto out_factor = [&](uint32_t half) -> float {
@@ -719,7 +737,8 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     do {                                                                                                \
         finish_sums();                                                                                  \
         if (ns == 1u) {                                                                                 \
-            hf_wg_store_bf16(acc, out_row(0u, dbase), out_row(1u, dbase), out_factor(0u), out_factor(1u)); \
+            hf_wg_store_bf16(acc, stage_row(0u, dbase), stage_row(1u, dbase), out_factor(0u), out_factor(1u)); \
+            copy_out();                                                                                 \
         } else {                                                                                        \
             hf_wg_store_f32(acc, os + r0 * OST + (dbase) + 2u * c, os + r1 * OST + (dbase) + 2u * c);   \
             finish_combine();                                                                           \
@@ -1487,10 +1506,15 @@ impl SparseAttention {
             if !q.offset().is_multiple_of(2) || !out.offset().is_multiple_of(2) {
                 return Err(shape(OP, "q and out views must start at an even element".into()));
             }
-            if self.wg.is_some() && !q.offset().is_multiple_of(8) {
+            if self.wg.is_some() && !(q.offset().is_multiple_of(8) && out.offset().is_multiple_of(8)) {
                 return Err(shape(
                     OP,
-                    format!("the warpgroup kernel stages q in 16-byte pieces: q starts at element {}", q.offset()),
+                    format!(
+                        "the warpgroup kernel reads q and writes out in 16-byte pieces: q starts at element {}, \
+                         out at {}",
+                        q.offset(),
+                        out.offset()
+                    ),
                 ));
             }
         }

@@ -301,6 +301,22 @@ fn the_warpgroup_kernel_matches_f64_and_is_batch_invariant_where_the_device_has_
     assert_eq!(wg.warpgroup_split(), WG_DEFAULT_SPLIT);
     let err = wg.clone().with_warpgroup_split(dev, 3).expect_err("split 3");
     assert!(err.to_string().contains("supported"), "{err}");
+    // It reads q and writes out in 16-byte pieces: a view of either starting off that grid (here
+    // an even element, which the other kernels accept) is refused before anything runs.
+    {
+        let s = dev.create_stream().expect("stream");
+        let c = case(&mut Rng(3), 2, 64, WG_HEAD_DIM, 64, 32, 16, 8);
+        let b = upload(dev, &c);
+        let cells = 2 * 64 * WG_HEAD_DIM;
+        let (mc, mi, mp) = (b.main.view(), b.mi.view(), b.mp.view());
+        let (ec, ei, ep) = (b.extra.view(), b.ei.view(), b.ep.view());
+        let main = RaggedKv { cache: &mc, indices: &mi, indptr: &mp };
+        let extra = RaggedKv { cache: &ec, indices: &ei, indptr: &ep };
+        let big = dev.alloc_zeroed::<bf16>("out+2", cells + 2, true).expect("out");
+        let (q, out) = (b.q.view(), big.slice(2, cells).expect("offset view"));
+        let err = wg.attend(&s, &q, &main, Some(&extra), &b.sink.view(), &out, 0.05).expect_err("out at element 2");
+        assert!(err.to_string().contains("16-byte pieces") && err.to_string().contains("out at 2"), "{err}");
+    }
     // Every split: the bound (lists of one to many tiles, so some blocks of a cluster have none),
     // batch invariance, and graph replay.
     for n in WG_SPLITS {
