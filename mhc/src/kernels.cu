@@ -1265,6 +1265,8 @@ static_assert(MHC_CL_BUFS == 3, "the loop's buffer rotation and its copies two t
 #define MHC_CL_DOTS (MHC_CL_TILE * MHC_N)        // a tile's dots: value k·4 + g
 #define MHC_CL_VALUES (MHC_CL_DOTS + MHC_CL_TILE)  // then its Σx², value 32 + k
 static_assert(MHC_CL_DOTS == 32, "one butterfly reduces the tile's dots, one value per lane");
+#define MHC_CL_ITEMS 2  // output items a thread: 8 tokens × at most 64 chunks of 8 h
+static_assert(MHC_CL_ITEMS * MHC_CL_THREADS >= MHC_CL_TILE * 64, "two output items a thread cover a tile");
 
 // One butterfly step over v[0 .. 2 O): lanes with bit O keep the upper half, the others the
 // lower, each adding its partner's copy (the same pairs of lanes for every value).
@@ -1279,6 +1281,16 @@ __device__ __forceinline__ void mhc_cl_fold(float (&v)[N], uint32_t lane) {
     }
 }
 
+#if defined(HF_HAS_CLUSTERS)
+// 16 bytes to global memory in one instruction, whatever the compiler proves about the address's
+// alignment (a plain store of an mhc_u32x4 through an offset it cannot prove a multiple of 16
+// becomes four 4-byte stores).
+__device__ __forceinline__ void mhc_cl_store16(hf_bf16* p, mhc_u32x4 v) {
+    asm volatile("{ .reg .u64 g; cvta.to.global.u64 g, %0; st.global.v4.b32 [g], {%1, %2, %3, %4}; }" ::"l"(p),
+                 "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
+}
+#endif
+
 HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     mhc_hc_head_cluster_n4(const hf_bf16* __restrict__ residual, const float* __restrict__ hc_fn,
                            const float* __restrict__ scale, const float* __restrict__ base,
@@ -1288,7 +1300,7 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     extern __shared__ __align__(16) unsigned char mhc_cl_smem[];
     __shared__ float red[MHC_CL_THREADS / 32][MHC_CL_VALUES];
     __shared__ float part[MHC_CL_BUFS][MHC_CL_VALUES];
-    __shared__ float gate[MHC_CL_TILE][MHC_N];
+    __shared__ __align__(16) float gate[MHC_CL_TILE][MHC_N];  // read a token's four at once
     const uint32_t tid = threadIdx.x, lane = tid % 32u, warp = tid / 32u;
     const uint32_t rank = hf_cluster_rank();
     const uint32_t nb = hf_cluster_blocks(), Hs = H / nb, cols = Hs / 8u, chunks = MHC_N * cols;
@@ -1409,28 +1421,41 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             gate[k][i] = mhc_stream_gate(sum_sq, dot, H, gate_scale, gate_base, rms_eps, hc_eps);
         }
     };
+    // The thread's output items w = tid + MHC_CL_THREADS j (token k = w / cols, chunk c = w % cols
+    // of each stream: at most two, 8 cols <= 512) are the same in every tile: worked out once, as
+    // k << 16 | 8 c (k = MHC_CL_TILE: no item).
+    uint32_t item[MHC_CL_ITEMS];
+#pragma unroll
+    for (uint32_t j = 0; j < MHC_CL_ITEMS; ++j) {
+        const uint32_t w = tid + MHC_CL_THREADS * j;
+        item[j] = w < MHC_CL_TILE * cols ? (w / cols) << 16 | 8u * (w % cols) : MHC_CL_TILE << 16;
+    }
     // 3. The block's slice of the tile's outputs, Σ_i g_i x_i in stream order.
     auto outputs = [&](uint32_t tile, uint32_t b) {
         const hf_bf16* rows = tiles_rows + b * tile_elems;
-        for (uint32_t w = tid; w < MHC_CL_TILE * cols; w += MHC_CL_THREADS) {
-            const uint32_t k = w / cols, c = w % cols, t = tile * MHC_CL_TILE + k;
-            if (t >= T) continue;
+        hf_bf16* tile_out = out + (uint64_t)tile * MHC_CL_TILE * H + h_lo;
+        const uint32_t t0 = tile * MHC_CL_TILE;
+#pragma unroll
+        for (uint32_t j = 0; j < MHC_CL_ITEMS; ++j) {
+            const uint32_t k = item[j] >> 16, c8 = item[j] & 0xffffu;
+            if (k >= MHC_CL_TILE || t0 + k >= T) continue;
+            const mhc_f32x4 gk = *reinterpret_cast<const mhc_f32x4*>(gate[k]);
+            const float g[MHC_N] = {gk.x, gk.y, gk.z, gk.w};
             float o[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) o[e] = 0.0f;
 #pragma unroll
             for (uint32_t i = 0; i < MHC_N; ++i) {
                 float x[8];
-                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(rows + (k * MHC_N + i) * Hs + 8u * c), x);
+                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(rows + (k * MHC_N + i) * Hs + c8), x);
 #pragma unroll
-                for (int e = 0; e < 8; ++e) o[e] = fmaf(gate[k][i], x[e], o[e]);
+                for (int e = 0; e < 8; ++e) o[e] = fmaf(g[i], x[e], o[e]);
             }
-            hf_bf16* dst = out + (uint64_t)t * H + h_lo + 8u * c;
+            hf_bf16* dst = tile_out + k * H + c8;
             if (vec) {
                 // Paired conversions (the same bits as hf_f32_to_bf16's): this kernel is bound by issue.
-                const mhc_u32x4 packed{hf_pack_bf16x2(o[0], o[1]), hf_pack_bf16x2(o[2], o[3]),
-                                       hf_pack_bf16x2(o[4], o[5]), hf_pack_bf16x2(o[6], o[7])};
-                *reinterpret_cast<mhc_u32x4*>(dst) = packed;
+                mhc_cl_store16(dst, mhc_u32x4{hf_pack_bf16x2(o[0], o[1]), hf_pack_bf16x2(o[2], o[3]),
+                                              hf_pack_bf16x2(o[4], o[5]), hf_pack_bf16x2(o[6], o[7])});
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) dst[e] = hf_f32_to_bf16(o[e]);
