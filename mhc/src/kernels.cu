@@ -1335,22 +1335,36 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             for (int e = 0; e < 8; ++e) wg[g][e] = has_chunk ? src[e] : 0.0f;
         }
     }
+    // The thread's chunk in a token's row of `residual` and in a tile buffer (token 0).
+    const uint32_t chunk_in_row = my_i * H + h_lo + 8u * my_c, chunk_in_tile = my_i * Hs + 8u * my_c;
+    const uint32_t tile_bytes = tile_elems * (uint32_t)sizeof(hf_bf16);
+    const uint32_t token_stride = MHC_N * Hs * (uint32_t)sizeof(hf_bf16);  // a token's rows in a buffer
+    const uint32_t rows_smem = has_chunk && vec ? hf_smem_addr(tiles_rows + chunk_in_tile) : 0u;
     // Copies tile `tile`'s rows into buffer `b` (rows past T zero-filled) as one commit group;
     // every thread copies the chunks it reads in `partials`, so its own wait suffices there.
     auto fetch = [&](uint32_t tile, uint32_t b) {
-        hf_bf16* rows = tiles_rows + b * tile_elems;
         if (has_chunk) {
-            const uint32_t i = my_i, c = my_c;
+            // Token k's chunk is k rows of D on in `residual` and k token strides on in the buffer;
+            // tile < tiles, so token 0 is below T and stands in as the source of the zero fills.
+            const hf_bf16* src = residual + (uint64_t)tile * MHC_CL_TILE * D + chunk_in_row;
+            const uint32_t n = min(T - tile * MHC_CL_TILE, (uint32_t)MHC_CL_TILE);  // tokens below T
+            if (vec) {
+                const uint32_t dst = rows_smem + b * tile_bytes;
+                if (n == MHC_CL_TILE) {
 #pragma unroll
-            for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
-                const uint32_t t = tile * MHC_CL_TILE + k;
-                const hf_bf16* src = residual + (uint64_t)(t < T ? t : 0u) * D + (uint64_t)i * H + h_lo + 8u * c;
-                hf_bf16* dst = rows + (k * MHC_N + i) * Hs + 8u * c;
-                if (vec) {
-                    hf_cp_async16(hf_smem_addr(dst), src, t < T ? 16u : 0u);
+                    for (uint32_t k = 0; k < MHC_CL_TILE; ++k) hf_cp_async16(dst + k * token_stride, src + k * D, 16u);
                 } else {
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) dst[e].bits = t < T ? src[e].bits : (uint16_t)0u;
+                    for (uint32_t k = 0; k < MHC_CL_TILE; ++k)
+                        hf_cp_async16(dst + k * token_stride, k < n ? src + k * D : src, k < n ? 16u : 0u);
+                }
+            } else {
+                hf_bf16* dst = tiles_rows + b * tile_elems + chunk_in_tile;
+#pragma unroll
+                for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
+#pragma unroll
+                    for (int e = 0; e < 8; ++e)
+                        dst[k * MHC_N * Hs + e].bits = k < n ? src[k * D + e].bits : (uint16_t)0u;
                 }
             }
         }
@@ -1366,11 +1380,10 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
 #pragma unroll
         for (int k = 0; k < MHC_CL_TILE; ++k) ss[k] = 0.0f;
         if (has_chunk) {
-            const uint32_t i = my_i, c = my_c;
 #pragma unroll
             for (uint32_t k = 0; k < MHC_CL_TILE; ++k) {
                 float x[8];
-                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(rows + (k * MHC_N + i) * Hs + 8u * c), x);
+                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(rows + k * MHC_N * Hs + chunk_in_tile), x);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) ss[k] = fmaf(x[e], x[e], ss[k]);
 #pragma unroll
