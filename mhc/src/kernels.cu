@@ -1466,9 +1466,19 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             }
             hf_bf16* dst = tile_out + k * H + c8;
             if (vec) {
-                // Paired conversions (the same bits as hf_f32_to_bf16's): this kernel is bound by issue.
-                mhc_cl_store16(dst, mhc_u32x4{hf_pack_bf16x2(o[0], o[1]), hf_pack_bf16x2(o[2], o[3]),
-                                              hf_pack_bf16x2(o[4], o[5]), hf_pack_bf16x2(o[6], o[7])});
+                // This kernel is bound by issue: paired conversions (cvt.rn.bf16x2.f32, hf_f32_to_bf16's
+                // bits for every number), and only a chunk holding a NaN, whose payload the paired
+                // conversion does not keep, converts element by element (hf_f32_to_bf16 itself).
+                bool nan = false;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) nan |= o[e] != o[e];
+                if (nan) {
+                    mhc_cl_store16(dst, mhc_repack(o));
+                } else {
+                    const mhc_u32x4 paired{hf_pack_bf16x2_any_nan(o[0], o[1]), hf_pack_bf16x2_any_nan(o[2], o[3]),
+                                           hf_pack_bf16x2_any_nan(o[4], o[5]), hf_pack_bf16x2_any_nan(o[6], o[7])};
+                    mhc_cl_store16(dst, paired);
+                }
             } else {
 #pragma unroll
                 for (int e = 0; e < 8; ++e) dst[e] = hf_f32_to_bf16(o[e]);
