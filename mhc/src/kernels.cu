@@ -1249,13 +1249,14 @@ HF_KERNEL void __launch_bounds__(MHC_POST_THREADS) mhc_post_n4(
 //      tree over the lanes) and the warps in order;
 //   2. after a cluster barrier, sums the cluster's nb block partials in rank order (distributed
 //      shared memory, eight reads in flight at a time; the same bits in every block) and forms
-//      the gates (mhc_stream_gate);
+//      the gates (mhc_stream_gate; warp 0);
 //   3. writes its slice of the tile's outputs, Σ_i g_i x_i in stream order (as the reference).
-// The tiles go through a pipeline of MHC_CL_BUFS row buffers and partial slots: while tile k's
-// cluster barrier completes, each block forms its partials of tile k + 1 (copied a tile ahead,
-// cp.async) and the copies of tile k + 2 are in flight. The barrier is split (arrive after a
-// tile's partials are written and the last tile's were read, wait before its gates) and its
-// release covers shared memory only, so it never waits for output stores or copies in flight.
+// The tiles go through a pipeline of MHC_CL_BUFS row buffers and partial slots: while warp 0
+// forms tile k's gates, the other warps form their partials of tile k + 1 (copied a tile ahead,
+// cp.async), and the copies of tile k + 2 are in flight. The cluster barrier is split (arrive
+// after a tile's partials are written and the last tile's were read, wait before its gates: warp
+// 0 first, the others after their partials) and its release covers shared memory only, so it
+// never waits for output stores or copies in flight.
 // A token's arithmetic depends on neither T nor its place in a tile: batch-invariant. A last
 // barrier keeps every block's shared memory alive until the cluster's reads are done.
 #define MHC_CL_TILE 8
@@ -1370,8 +1371,8 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         }
         hf_cp_async_commit();
     };
-    // 1. The block's partials of the tile in buffer `b` into part[b] (this thread's copies of it
-    //    have landed; the caller's block barrier orders the last use of `red`).
+    // 1. The warps' partials of the tile in buffer `b` into `red` (this thread's copies of it have
+    //    landed; the caller's block barrier orders the last use of `red`) ...
     auto partials = [&](uint32_t b) {
         const hf_bf16* rows = tiles_rows + b * tile_elems;
         float dots[MHC_CL_DOTS], ss[MHC_CL_TILE];
@@ -1407,7 +1408,9 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         ss[0] += hf_shfl_xor(ss[0], 16);
         red[warp][lane] = dots[0];
         if (lane < MHC_CL_TILE) red[warp][MHC_CL_DOTS + lane] = ss[0];
-        __syncthreads();
+    };
+    // ... then, after a block barrier, their sums over the warps in order into part[b].
+    auto publish = [&](uint32_t b) {
         if (tid < MHC_CL_VALUES) {
             float s = red[0][tid];
 #pragma unroll
@@ -1415,24 +1418,22 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             part[b][tid] = s;
         }
     };
-    // 2. The tile's gates from every block's part[b], summed in rank order (eight ranks' reads in
-    //    flight at a time; the same bits in every block).
+    // 2. Warp 0: the tile's gates from every block's part[b], summed in rank order (eight ranks'
+    //    reads in flight at a time; the same bits in every block), lane k·4 + i gate i of token k.
     auto gates = [&](uint32_t b) {
-        if (tid < MHC_CL_DOTS) {
-            const uint32_t k = tid / MHC_N, i = tid % MHC_N;
-            float sum_sq = 0.0f, dot = 0.0f;
-            for (uint32_t r0 = 0; r0 < nb; r0 += 8u) {
-                float sq[8], dt[8];
+        const uint32_t k = lane / MHC_N, i = lane % MHC_N;
+        float sum_sq = 0.0f, dot = 0.0f;
+        for (uint32_t r0 = 0; r0 < nb; r0 += 8u) {
+            float sq[8], dt[8];
 #pragma unroll
-                for (uint32_t r = 0; r < 8u; ++r) {
-                    sq[r] = hf_cluster_load_f32(&part[b][MHC_CL_DOTS + k], r0 + r);
-                    dt[r] = hf_cluster_load_f32(&part[b][tid], r0 + r);
-                }
-#pragma unroll
-                for (uint32_t r = 0; r < 8u; ++r) sum_sq += sq[r], dot += dt[r];
+            for (uint32_t r = 0; r < 8u; ++r) {
+                sq[r] = hf_cluster_load_f32(&part[b][MHC_CL_DOTS + k], r0 + r);
+                dt[r] = hf_cluster_load_f32(&part[b][lane], r0 + r);
             }
-            gate[k][i] = mhc_stream_gate(sum_sq, dot, H, gate_scale, gate_base, rms_eps, hc_eps);
+#pragma unroll
+            for (uint32_t r = 0; r < 8u; ++r) sum_sq += sq[r], dot += dt[r];
         }
+        gate[k][i] = mhc_stream_gate(sum_sq, dot, H, gate_scale, gate_base, rms_eps, hc_eps);
     };
     // The thread's output items w = tid + MHC_CL_THREADS j (token k = w / cols, chunk c = w % cols
     // of each stream: at most two, 8 cols <= 512) are the same in every tile: worked out once, as
@@ -1485,10 +1486,17 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             }
         }
     };
-    // The pipeline: tile k's buffer (and partial slot) is k % MHC_CL_BUFS. While the cluster
-    // barrier of tile k completes, each block forms its partials of tile k + 1 (copied a tile
-    // ahead); tile k + 2 is copied meanwhile. Tile k + 1's arrival follows the reads of tile k's
-    // partials, so a slot is rewritten (three tiles on) only after every block's reads of it.
+    // The pipeline: tile k's buffer (and partial slot) is k % MHC_CL_BUFS; tile k + 2 is copied
+    // while the block works on tiles k and k + 1. Warp 0 waits for tile k's cluster barrier first
+    // and forms its gates while the other warps form their partials of tile k + 1 (copied a tile
+    // ahead); then warp 0 forms its partials and the other warps wait for the barrier (a thread
+    // need only alternate arrive and wait; only warp 0 reads other blocks' memory). One block
+    // barrier then covers the gates and `red`. The gates' latency (remote reads, then a division,
+    // square root, exponential and reciprocals in one dependent chain) thus overlaps the other
+    // warps' partials instead of holding seven warps at a block barrier of its own. Gates in every
+    // warp would hold each warp on the same chain and issue it eight times; a ninth (gate) warp
+    // leaves 96 registers a thread for two blocks a multiprocessor (ptxas spills), and outputs a
+    // tile behind the gates would need a fourth row buffer (one block a multiprocessor).
     const uint32_t first = blockIdx.x / nb;
     if (first >= tiles) return;  // never: the grid holds at most one cluster per tile
     fetch(first, 0u);
@@ -1498,6 +1506,8 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         hf_cp_async_commit();
     hf_cp_async_wait<1>();  // the first tile (this thread's copies: all that `partials` reads)
     partials(0u);
+    __syncthreads();
+    publish(0u);
     hf_cluster_arrive_shared();
     uint32_t b = 0u;
     for (uint32_t tile = first; tile < tiles; tile += clusters) {
@@ -1508,19 +1518,26 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             fetch(tile + 2u * clusters, b2);
         else
             hf_cp_async_commit();  // an empty group: the wait below always leaves one group
+        if (warp == 0u) {
+            hf_cluster_wait();  // every block's partials of this tile
+            gates(b);
+        }
         if (more) {
             hf_cp_async_wait<1>();  // this thread's copies of the next tile have landed
             partials(b1);
         }
-        hf_cluster_wait();  // every block's partials of this tile
-        gates(b);
-        __syncthreads();  // gates ready; this block's reads of the partials are done
-        // The next tile's partials (written above) to the cluster. The arrival's release covers
-        // shared::cta accesses only, not the remote reads of part[b] in `gates`: what keeps a
-        // block from rewriting part[b] (three tiles on, after its next wait) while they are in
-        // flight is that their values were stored (`gate`) before the block barrier above, so
-        // they have completed before this arrival.
-        if (more) hf_cluster_arrive_shared();
+        if (warp != 0u) hf_cluster_wait();
+        __syncthreads();  // gates and `red` ready; warp 0's reads of the partials are done
+        // The next tile's partials to the cluster. Each thread that writes part[b1] releases its
+        // own writes by its arrival. The arrival's release covers shared::cta accesses only, not
+        // warp 0's remote reads of part[b] in `gates`: what keeps a block from rewriting part[b]
+        // (three tiles on, after its next wait) while they are in flight is that their values
+        // were stored (`gate`) before the block barrier above, so they have completed before
+        // this arrival.
+        if (more) {
+            publish(b1);
+            hf_cluster_arrive_shared();
+        }
         outputs(tile, b);
         b = b1;
     }

@@ -83,9 +83,9 @@
 //!   through distributed shared memory after a cluster barrier (summed in rank order, the same
 //!   bits in every block) and writes its slice of the outputs: the residual is read from memory
 //!   once. The tiles are pipelined over three row buffers: while a tile's cluster barrier
-//!   completes (split into arrive and wait, its release covering shared memory only), each block
-//!   forms its partials of the next tile, and the rows of the one after are copied
-//!   (`cp.async`). A token's reduction order depends on `H` alone (the cluster size is a function
+//!   completes (split into arrive and wait, its release covering shared memory only) and one warp
+//!   forms its gates, the block's other warps form their partials of the next tile, and the rows
+//!   of the one after are copied (`cp.async`). A token's reduction order depends on `H` alone (the cluster size is a function
 //!   of `H`). Grid: the clusters the device runs at once (`Device::max_active_clusters`), at most
 //!   one per tile. Shared memory `192·H/nb` bytes per block.
 //! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.
