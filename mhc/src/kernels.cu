@@ -1436,13 +1436,15 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         gate[k][i] = mhc_stream_gate(sum_sq, dot, H, gate_scale, gate_base, rms_eps, hc_eps);
     };
     // The thread's output items w = tid + MHC_CL_THREADS j (token k = w / cols, chunk c = w % cols
-    // of each stream: at most two, 8 cols <= 512) are the same in every tile: worked out once, as
-    // k << 16 | 8 c (k = MHC_CL_TILE: no item).
-    uint32_t item[MHC_CL_ITEMS];
+    // of each stream: at most two, 8 cols <= 512) are the same in every tile: their token (past
+    // the tile: no item) and their offsets in a tile buffer and in the tile's output rows.
+    uint32_t item_k[MHC_CL_ITEMS], item_row[MHC_CL_ITEMS], item_out[MHC_CL_ITEMS];
 #pragma unroll
     for (uint32_t j = 0; j < MHC_CL_ITEMS; ++j) {
-        const uint32_t w = tid + MHC_CL_THREADS * j;
-        item[j] = w < MHC_CL_TILE * cols ? (w / cols) << 16 | 8u * (w % cols) : MHC_CL_TILE << 16;
+        const uint32_t w = tid + MHC_CL_THREADS * j, k = w / cols, c8 = 8u * (w % cols);
+        item_k[j] = w < MHC_CL_TILE * cols ? k : MHC_CL_TILE;
+        item_row[j] = k * MHC_N * Hs + c8;
+        item_out[j] = k * H + c8;
     }
     // 3. The block's slice of the tile's outputs, Σ_i g_i x_i in stream order.
     auto outputs = [&](uint32_t tile, uint32_t b) {
@@ -1451,7 +1453,7 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         const uint32_t t0 = tile * MHC_CL_TILE;
 #pragma unroll
         for (uint32_t j = 0; j < MHC_CL_ITEMS; ++j) {
-            const uint32_t k = item[j] >> 16, c8 = item[j] & 0xffffu;
+            const uint32_t k = item_k[j];
             if (k >= MHC_CL_TILE || t0 + k >= T) continue;
             const mhc_f32x4 gk = *reinterpret_cast<const mhc_f32x4*>(gate[k]);
             const float g[MHC_N] = {gk.x, gk.y, gk.z, gk.w};
@@ -1461,11 +1463,11 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
 #pragma unroll
             for (uint32_t i = 0; i < MHC_N; ++i) {
                 float x[8];
-                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(rows + (k * MHC_N + i) * Hs + c8), x);
+                mhc_unpack(*reinterpret_cast<const mhc_u32x4*>(rows + item_row[j] + i * Hs), x);
 #pragma unroll
                 for (int e = 0; e < 8; ++e) o[e] = fmaf(g[i], x[e], o[e]);
             }
-            hf_bf16* dst = tile_out + k * H + c8;
+            hf_bf16* dst = tile_out + item_out[j];
             if (vec) {
                 // This kernel is bound by issue: paired conversions (cvt.rn.bf16x2.f32, hf_f32_to_bf16's
                 // bits for every number), and only a chunk holding a NaN, whose payload the paired
