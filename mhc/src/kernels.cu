@@ -253,24 +253,23 @@ struct MhcPow2<1> {
 };
 
 // Sinkhorn on a 4x4 matrix held one element per lane of a 16-lane group (lane = 4 i + j); every lane
-// of the warp must call it (shuffles). Row sums use xor 1, 2; column sums xor 4, 8.
+// of the warp must call it (shuffles). A row's four elements come to each of its lanes with xor 1,
+// 2, 3 and a column's with xor 4, 8, 12, three independent shuffles in flight together (the chain
+// of 20 normalisations is latency-bound); the sum is (own + xor 1) + (xor 2 + xor 3), which is
+// the row's (c0 + c1) + (c2 + c3) in every lane, as the butterfly over xor 1 then 2 gave.
+__device__ __forceinline__ float mhc_group4_sum(float c, int o) {
+    const float a = hf_shfl_xor(c, o), b = hf_shfl_xor(c, 2 * o), d = hf_shfl_xor(c, 3 * o);
+    return (c + a) + (b + d);
+}
 __device__ __forceinline__ float mhc_sinkhorn(float c, uint32_t iters, float eps) {
-    float mx = fmaxf(c, hf_shfl_xor(c, 1));
-    mx = fmaxf(mx, hf_shfl_xor(mx, 2));
+    const float m1 = hf_shfl_xor(c, 1), m2 = hf_shfl_xor(c, 2), m3 = hf_shfl_xor(c, 3);
+    const float mx = fmaxf(fmaxf(c, m1), fmaxf(m2, m3));
     const float e = expf(c - mx);
-    float rs = e + hf_shfl_xor(e, 1);
-    rs = rs + hf_shfl_xor(rs, 2);
-    c = e / rs + eps;
-    float cs = c + hf_shfl_xor(c, 4);
-    cs = cs + hf_shfl_xor(cs, 8);
-    c = c / (cs + eps);
+    c = e / mhc_group4_sum(e, 1) + eps;
+    c = c / (mhc_group4_sum(c, 4) + eps);
     for (uint32_t it = 1; it < iters; ++it) {
-        rs = c + hf_shfl_xor(c, 1);
-        rs = rs + hf_shfl_xor(rs, 2);
-        c = c / (rs + eps);
-        cs = c + hf_shfl_xor(c, 4);
-        cs = cs + hf_shfl_xor(cs, 8);
-        c = c / (cs + eps);
+        c = c / (mhc_group4_sum(c, 1) + eps);
+        c = c / (mhc_group4_sum(c, 4) + eps);
     }
     return c;
 }
