@@ -24,10 +24,13 @@
 //!   and head only, and the pipeline depth changes no arithmetic, so the choice changes no bit.
 //! - **warpgroup** ([`AttentionKernel::Warpgroup`], and what [`AttentionKernel::Auto`] picks on
 //!   `sm_90a` at `head_dim` 512 with 64 heads or more): each (row, group of 64 heads) goes to a
-//!   cluster of [`WG_DEFAULT_SPLIT`] blocks ([`SparseAttention::with_warpgroup_split`]) of two
+//!   cluster of [`WG_DEFAULT_SPLIT`] blocks ([`SparseAttention::with_warpgroup_split`]; a runner
+//!   whose batches fill the device takes 1, [`SparseAttention::throughput_split`]) of two
 //!   warpgroups; block `r` of the cluster takes the row's 64-entry tiles `r, r + split, ..`, and
 //!   the cluster combines the blocks' maxima, running sums and f32 partial outputs in block order
-//!   through distributed shared memory (each block finishes `64 / split` heads). Q is staged in
+//!   through distributed shared memory (each block finishes `64 / split` heads); an unsplit
+//!   row's bf16 outputs are staged in shared memory and written in 16-byte pieces, whole lines
+//!   per warp. Q is staged in
 //!   shared memory and read once into warpgroup 0's registers; the entries stream through two `cp.async`-staged tiles of 64
 //!   (their slots fetched a tile ahead) in the 128-byte-swizzled layout, so every warp's copy
 //!   moves whole 128-byte lines at both ends (the no-swizzle layout scattered each row's 16-byte
