@@ -1388,6 +1388,18 @@ impl SparseAttention {
         self.wg.is_some()
     }
 
+    /// Which kernel [`SparseAttention::attend`] runs, in words: `warpgroup MMA, rows split in N`,
+    /// `tensor cores (mma.sync)` or `portable`.
+    pub fn kernel_description(&self) -> String {
+        if self.wg.is_some() {
+            format!("warpgroup MMA, rows split in {}", self.wg_split)
+        } else if self.mma.is_some() {
+            "tensor cores (mma.sync)".to_owned()
+        } else {
+            "portable".to_owned()
+        }
+    }
+
     /// True when [`SparseAttention::attend`] runs a tensor-core kernel (`mma.sync` or warpgroup).
     pub fn uses_tensor_cores(&self) -> bool {
         self.mma.is_some() || self.wg.is_some()

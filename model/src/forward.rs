@@ -385,6 +385,12 @@ impl ModelForward {
         self.attn.warpgroup_split()
     }
 
+    /// The attention kernel the layers run, in words
+    /// ([`holdfast_attention::SparseAttention::kernel_description`]).
+    pub fn attention_kernel(&self) -> String {
+        self.attn.kernel_description()
+    }
+
     /// The row split that favours throughput for steps of up to `max_rows` attention rows
     /// ([`holdfast_attention::SparseAttention::throughput_split`], for this shard's heads).
     pub fn throughput_attention_split(&self, max_rows: usize) -> usize {

@@ -53,7 +53,10 @@ fn simulate_16_requests_gives_identical_tokens_in_every_mode() {
         assert_eq!(&m["tokens_digest"], digest, "{}", m["mode"]);
         assert_eq!(m["steps"], modes[0]["steps"], "the same stream gives the same batches");
         assert_eq!(m["recaptures"], 0);
+        // The CPU backend runs the attention reference (the portable kernel's arithmetic).
+        assert_eq!(m["attention_kernel"], "portable", "{}", m["mode"]);
     }
+    assert!(stdout.lines().any(|l| l.starts_with("attention kernel") && l.contains("portable")), "{stdout}");
     let none = &modes[0];
     assert_eq!(none["mode"], "NONE");
     assert_eq!(none["graphs_captured"], 0);

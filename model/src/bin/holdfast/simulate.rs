@@ -26,6 +26,8 @@ struct ModeReport {
     resolved_mode: String,
     /// Downgrades applied on the way, with their reasons.
     downgrades: Vec<String>,
+    /// The attention kernel the layers ran (on a GPU with warpgroup MMA: its row split).
+    attention_kernel: String,
     steps: u64,
     tokens_processed: u64,
     tokens_generated: u64,
@@ -361,6 +363,7 @@ fn run_mode(
         mode: mode.to_string(),
         resolved_mode: resolved.mode.to_string(),
         downgrades: resolved.downgrades.iter().map(ToString::to_string).collect(),
+        attention_kernel: runner.forward().attention_kernel(),
         steps,
         tokens_processed: processed,
         tokens_generated: generated,
@@ -479,8 +482,9 @@ fn render(reports: &[ModeReport]) -> String {
     let mut header = vec!["".to_owned()];
     header.extend(reports.iter().map(|r| r.mode.clone()));
     type Cell = fn(&ModeReport) -> String;
-    let rows: [(&str, Cell); 17] = [
+    let rows: [(&str, Cell); 18] = [
         ("resolved mode", |r| r.resolved_mode.clone()),
+        ("attention kernel", |r| r.attention_kernel.clone()),
         ("steps", |r| r.steps.to_string()),
         ("tokens/s (prefill+decode)", |r| format!("{:.0}", r.tokens_per_second)),
         ("generated tokens/s", |r| format!("{:.0}", r.generated_tokens_per_second)),
