@@ -379,22 +379,9 @@ impl ModelForward {
         &self.cfg
     }
 
-    /// Blocks sharing each attention row of the warpgroup attention kernel (1 where another
-    /// kernel runs).
-    pub fn attention_row_split(&self) -> usize {
-        self.attn.warpgroup_split()
-    }
-
-    /// The attention kernel the layers run, in words
-    /// ([`holdfast_attention::SparseAttention::kernel_description`]).
-    pub fn attention_kernel(&self) -> String {
-        self.attn.kernel_description()
-    }
-
-    /// The row split that favours throughput for steps of up to `max_rows` attention rows
-    /// ([`holdfast_attention::SparseAttention::throughput_split`], for this shard's heads).
-    pub fn throughput_attention_split(&self, max_rows: usize) -> usize {
-        self.attn.throughput_split(max_rows)
+    /// The layers' attention kernels (for this shard's heads): which kernel runs, its row split.
+    pub fn sparse_attention(&self) -> &SparseAttention {
+        &self.attn
     }
 
     /// Spreads each attention row over `split` blocks of the warpgroup attention kernel (one of

@@ -286,9 +286,13 @@ impl ModelRunner {
         };
         let mut forward = ModelForward::new_tp(dev, cfg, weights, limits, kv.swa_table(), kv.kv_table(), tp)?;
         // Fixed for the runner (never per step), so a row's output never depends on its batch.
-        let split = s.attention_row_split.unwrap_or_else(|| forward.throughput_attention_split(s.max_num_seqs));
-        if s.attention_row_split.is_some() || split != forward.attention_row_split() {
-            forward.set_attention_row_split(dev, split)?;
+        // Unset, the split changes only where the throughput split differs from the kernel's.
+        let attn = forward.sparse_attention();
+        let split = s
+            .attention_row_split
+            .or_else(|| Some(attn.throughput_split(s.max_num_seqs)).filter(|&n| n != attn.warpgroup_split()));
+        if let Some(n) = split {
+            forward.set_attention_row_split(dev, n)?;
         }
         let arena = forward.arena().clone();
         let runner = GraphRunner::new(forward, arena, &dispatcher, RunnerConfig::default())?;

@@ -363,7 +363,7 @@ fn run_mode(
         mode: mode.to_string(),
         resolved_mode: resolved.mode.to_string(),
         downgrades: resolved.downgrades.iter().map(ToString::to_string).collect(),
-        attention_kernel: runner.forward().attention_kernel(),
+        attention_kernel: runner.forward().sparse_attention().kernel_description(),
         steps,
         tokens_processed: processed,
         tokens_generated: generated,
