@@ -119,7 +119,7 @@ impl MhcOps {
         if config.hc_mult != HC_MULT {
             return Err(MhcError::Unsupported(format!("hc_mult {} (kernels exist for 4 only)", config.hc_mult)));
         }
-        if config.hidden == 0 || config.hc_mult * config.hidden > 1 << 24 {
+        if config.hidden == 0 || config.hidden.checked_mul(config.hc_mult).is_none_or(|d| d > 1 << 24) {
             return Err(MhcError::Unsupported(format!("hidden {} (need 1 <= n·H <= 2^24)", config.hidden)));
         }
         if u32::try_from(config.max_tokens).is_err() {

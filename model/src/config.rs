@@ -315,6 +315,27 @@ impl ModelConfig {
         positive("o_groups", self.o_groups)?;
         positive("moe_intermediate_size", self.moe_intermediate_size)?;
         positive("max_position_embeddings", self.max_position_embeddings)?;
+        // Upper bounds well past any DeepSeek-V4-class model, so that every product of sizes below
+        // (and in the weights' shapes) fits `usize` and positions fit `i32`.
+        for (field, v, max) in [
+            ("hidden_size", self.hidden_size, 1usize << 16),
+            ("num_hidden_layers", self.num_hidden_layers, 1 << 12),
+            ("num_attention_heads", self.num_attention_heads, 1 << 12),
+            ("q_lora_rank", self.q_lora_rank, 1 << 16),
+            ("o_lora_rank", self.o_lora_rank, 1 << 16),
+            ("o_groups", self.o_groups, 1 << 12),
+            ("moe_intermediate_size", self.moe_intermediate_size, 1 << 18),
+            ("max_position_embeddings", self.max_position_embeddings, i32::MAX as usize),
+            ("sliding_window", self.sliding_window, i32::MAX as usize),
+            ("index_n_heads", self.index_n_heads, 1 << 12),
+            ("index_head_dim", self.index_head_dim, 1 << 12),
+            ("index_topk", self.index_topk, 1 << 20),
+            ("hc_sinkhorn_iters", self.hc_sinkhorn_iters, 1 << 16),
+        ] {
+            if v > max {
+                return Err(err(field, format!("must be at most {max}, got {v}")));
+            }
+        }
         if self.sliding_window == 0 {
             return Err(err("sliding_window", "must be at least 1 token, got 0"));
         }
@@ -404,6 +425,28 @@ impl ModelConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sizes_past_their_bounds_name_the_field() {
+        type Set = fn(&mut ModelConfig);
+        let set: [(&str, Set); 4] = [
+            ("hidden_size", |c| c.hidden_size = 1 << 40),
+            ("num_attention_heads", |c| c.num_attention_heads = 1 << 58),
+            ("hc_sinkhorn_iters", |c| c.hc_sinkhorn_iters = (1 << 32) + 1),
+            ("max_position_embeddings", |c| c.max_position_embeddings = 1 << 62),
+        ];
+        for (field, f) in set {
+            let mut c = ModelConfig::tiny();
+            f(&mut c);
+            match c.validate() {
+                Err(ModelError::Config { field: got, detail }) => {
+                    assert_eq!(got, field);
+                    assert!(detail.contains("at most"), "{detail}");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn presets_validate_and_round_trip() {

@@ -445,7 +445,10 @@ impl ModelForward {
 
     /// The logits `[rows, vocab]` of the first `rows` sample rows of the last step (syncs).
     pub fn read_logits(&self, s: &Stream, rows: usize) -> Result<Vec<f32>> {
-        Ok(s.copy_to_host_sync(&self.arena.view::<f32>(buf::LOGITS, rows * self.cfg.vocab_size)?)?)
+        let len = rows
+            .checked_mul(self.cfg.vocab_size)
+            .ok_or_else(|| ModelError::Step(format!("logits of {rows} rows of {} overflow", self.cfg.vocab_size)))?;
+        Ok(s.copy_to_host_sync(&self.arena.view::<f32>(buf::LOGITS, len)?)?)
     }
 
     /// Writes the mapped inputs for `t` token rows: `step`'s data, or for warm-up and capture
@@ -461,6 +464,14 @@ impl ModelForward {
                         "a step of {} tokens / {} requests does not fit {t} rows ({rp} requests)",
                         step.num_tokens(),
                         step.num_reqs()
+                    )));
+                }
+                let vocab = self.cfg.vocab_size;
+                if let Some((i, &id)) =
+                    step.token_ids.iter().enumerate().find(|(_, &id)| id < 0 || id as usize >= vocab)
+                {
+                    return Err(ModelError::Step(format!(
+                        "token {i} of the step has id {id}, outside the vocabulary [0, {vocab})"
                     )));
                 }
                 for &row in &step.released_rows {

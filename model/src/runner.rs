@@ -213,11 +213,17 @@ impl ModelRunner {
         }
         let bps_kv = s.max_model_len.div_ceil(KV_BLOCK_SIZE);
         let bps_swa = s.max_model_len.div_ceil(SWA_BLOCK_SIZE);
-        let kv_blocks = s.kv_num_blocks.unwrap_or(s.max_num_seqs * bps_kv + 1);
-        if kv_blocks < 2 {
+        // Every sequence's blocks plus the null block by default; at least 2, and few enough that
+        // every SWA block id (4 per KV block) fits an i32.
+        let kv_blocks = s.kv_num_blocks.unwrap_or_else(|| s.max_num_seqs.saturating_mul(bps_kv).saturating_add(1));
+        let max_blocks = (i32::MAX as usize - 1) / (KV_BLOCK_SIZE / SWA_BLOCK_SIZE);
+        if kv_blocks < 2 || kv_blocks > max_blocks {
             return Err(setting(
                 "kv_num_blocks",
-                format!("needs at least 2 blocks (one is the null block), got {kv_blocks}"),
+                format!(
+                    "needs 2 to {max_blocks} blocks (one is the null block; block ids are 32-bit), got {kv_blocks}{}",
+                    if s.kv_num_blocks.is_none() { " (max_num_seqs · ceil(max_model_len / 256) + 1)" } else { "" }
+                ),
             ));
         }
         let kv = KvConfig {
@@ -414,7 +420,15 @@ impl ModelRunner {
     ) -> Result<ServeReport> {
         let t0 = Instant::now();
         let mut sched = self.scheduler()?;
+        let vocab = self.runner.forward().config().vocab_size;
         for r in requests {
+            if let Some((i, &t)) = r.prompt.iter().enumerate().find(|(_, &t)| t >= 0 && t as usize >= vocab) {
+                return Err(crate::scheduler::ScheduleError::BadRequest {
+                    id: r.id,
+                    reason: format!("prompt token {i} has id {t}, outside the vocabulary [0, {vocab})"),
+                }
+                .into());
+            }
             sched.add(r)?;
         }
         let mut rep = ServeReport::default();

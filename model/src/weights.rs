@@ -325,6 +325,24 @@ struct Loader<'a> {
     bytes: usize,
 }
 
+/// A zeroed host tensor of `shape` for weight `name`: an error (not an abort) where its element
+/// count overflows or the host cannot hold it.
+fn host_tensor<T: Clone>(name: &str, shape: &[usize], zero: T) -> Result<Vec<T>> {
+    let n = shape
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .ok_or_else(|| ModelError::Step(format!("weight {name} {shape:?}: the element count overflows")))?;
+    let mut host = Vec::new();
+    host.try_reserve_exact(n).map_err(|e| {
+        ModelError::Step(format!(
+            "weight {name} {shape:?}: {n} elements of {} bytes do not fit host memory ({e})",
+            std::mem::size_of::<T>()
+        ))
+    })?;
+    host.resize(n, zero);
+    Ok(host)
+}
+
 impl Loader<'_> {
     fn bf16(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Buffer<bf16>> {
         self.bf16_split(name, shape, init, Split::Whole)
@@ -337,8 +355,7 @@ impl Loader<'_> {
     /// Fills the whole tensor (a source sees the same names, shapes and values on every rank),
     /// then keeps this rank's part.
     fn bf16_split(&mut self, name: &str, shape: &[usize], init: Init, split: Split) -> Result<Buffer<bf16>> {
-        let n: usize = shape.iter().product();
-        let mut host = vec![bf16::ZERO; n];
+        let mut host = host_tensor(name, shape, bf16::ZERO)?;
         self.src.fill_bf16(name, shape, init, &mut host)?;
         if let Some(i) = host.iter().position(|v| !v.is_finite()) {
             return Err(ModelError::Step(format!("weight {name}: element {i} is not finite")));
@@ -349,8 +366,7 @@ impl Loader<'_> {
     }
 
     fn f32_split(&mut self, name: &str, shape: &[usize], init: Init, split: Split) -> Result<Buffer<f32>> {
-        let n: usize = shape.iter().product();
-        let mut host = vec![0.0f32; n];
+        let mut host = host_tensor(name, shape, 0.0f32)?;
         self.src.fill_f32(name, shape, init, &mut host)?;
         if let Some(i) = host.iter().position(|v| !v.is_finite()) {
             return Err(ModelError::Step(format!("weight {name}: element {i} is not finite")));
@@ -475,6 +491,15 @@ impl Weights {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tensor_past_the_host_is_an_error_not_an_abort() {
+        let e = host_tensor("w", &[usize::MAX, 2], 0.0f32).expect_err("overflow");
+        assert!(e.to_string().contains("overflows"), "{e}");
+        let e = host_tensor("w", &[1 << 40, 1 << 22], 0u16).expect_err("too large");
+        assert!(e.to_string().contains("do not fit host memory"), "{e}");
+        assert_eq!(host_tensor("w", &[2, 3], 1u8).expect("small"), vec![1u8; 6]);
+    }
 
     /// A source that counts its fills and writes `calls` into every element.
     struct Counting {

@@ -189,4 +189,35 @@ fn tensor_parallel_ranks_give_the_single_device_tokens_and_bad_splits_are_usage_
     // `tiny` has 2 query heads: 4 ranks cannot split them.
     assert_usage_error(&holdfast(&["simulate", "--tensor-parallel", "4"]), &["num_attention_heads", "4"]);
     assert_usage_error(&holdfast(&["simulate", "--tensor-parallel", "0"]), &["--tensor-parallel"]);
+    // A rank count the model cannot split is refused before any device opens (at once).
+    let t0 = std::time::Instant::now();
+    assert_usage_error(&holdfast(&["simulate", "--tensor-parallel", "3000000"]), &["3000000"]);
+    assert!(t0.elapsed().as_secs() < 30, "refused before opening 3 000 000 devices");
+}
+
+#[test]
+fn sizes_past_the_arithmetic_are_usage_errors_not_crashes() {
+    // Lengths whose sum overflows, and more requests than a simulation holds.
+    let huge = u64::MAX.to_string();
+    assert_usage_error(
+        &holdfast(&["simulate", "--prompt-len", &huge, "--output-len", "1", "--quiet"]),
+        &["--max-model-len", "more than 2^64"],
+    );
+    assert_usage_error(&holdfast(&["simulate", "--requests", "1000000000000", "--quiet"]), &["--requests"]);
+    // Config sizes past their bounds name the field (no allocation is attempted).
+    let dir = temp_dir("huge");
+    for (field, value) in [
+        ("hidden_size", serde_json::Value::from(1u64 << 40)),
+        ("num_attention_heads", serde_json::Value::from(1u64 << 58)),
+        ("hc_sinkhorn_iters", serde_json::Value::from(1u64 << 40)),
+        ("max_position_embeddings", serde_json::Value::from(1u64 << 62)),
+    ] {
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&holdfast_model::ModelConfig::tiny().to_json()).expect("json");
+        cfg[field] = value;
+        let path = dir.join(format!("{field}.json"));
+        std::fs::write(&path, cfg.to_string()).expect("write config");
+        let path = path.to_str().expect("utf-8 path");
+        assert_usage_error(&holdfast(&["plan", "--config", path]), &[field, "at most"]);
+    }
 }

@@ -217,9 +217,29 @@ fn bad_inputs_are_errors(dev: &Device) {
     assert!(e.to_string().contains("overwrite the step staged for 8"), "{e}");
     Forward::prepare(&mut fwd, &s, &desc, StepKind::Step).expect("the staged step is intact and runs");
 
-    // An out-of-vocabulary token id is the scheduler's to refuse; a negative one is refused.
+    // A negative token id is the scheduler's to refuse; one past the vocabulary is refused by
+    // serving (naming the request) and by staging a step that carries it (never embedded as zeros).
     let mut sched = runner.scheduler().expect("scheduler");
     assert!(sched.add(Request { id: 2, prompt: vec![-3], max_new_tokens: 1 }).is_err());
+    let vocab = cfg.vocab_size as i32;
+    let e = runner.serve(vec![Request { id: 4, prompt: vec![1, vocab, 2], max_new_tokens: 1 }], |_, _| {});
+    let e = e.expect_err("an id past the vocabulary");
+    assert!(e.to_string().contains("request 4") && e.to_string().contains(&format!("id {vocab}")), "{e}");
+    let mut sched = runner.scheduler().expect("scheduler");
+    sched
+        .add(Request { id: 5, prompt: vec![1, i32::MAX], max_new_tokens: 1 })
+        .expect("the scheduler knows no vocabulary");
+    let step = sched.schedule().expect("schedule").expect("a step");
+    let e = runner.execute(&step).expect_err("staging an id past the vocabulary");
+    assert!(e.to_string().contains("outside the vocabulary"), "{e}");
+    // Logits of more rows than any step holds: an error, whatever the product.
+    assert!(runner.logits(usize::MAX / 2).is_err());
+    assert!(runner.logits(1 << 40).is_err());
+
+    // Block counts whose SWA block ids pass 32 bits are refused with the setting named.
+    let huge = RunnerSettings { kv_num_blocks: Some(usize::MAX), ..settings(GraphMode::None) };
+    let e = ModelRunner::check(&cfg, &huge).expect_err("too many blocks");
+    assert!(matches!(e, ModelError::Setting { setting: "kv_num_blocks", .. }), "{e}");
 }
 
 holdfast_hal::device_suite!(

@@ -72,16 +72,59 @@ pub(crate) fn driver_unavailable() -> Option<String> {
         .get_or_init(|| {
             // SAFETY: `is_culib_present` only tries to open the library and closes it again.
             if unsafe { cudarc::driver::sys::is_culib_present() } {
-                return None;
+                return driver_problem();
             }
             try_dirs(&["libcuda.so.1", "libcuda.so"], &[]);
             // SAFETY: as above.
             if unsafe { cudarc::driver::sys::is_culib_present() } {
-                return None;
+                return driver_problem();
             }
             Some(format!("libcuda (the NVIDIA driver library) was not found; searched {}", searched()))
         })
         .clone()
+}
+
+/// The oldest driver API the backend calls into (CUDA 13.0, as `cuDriverGetVersion` reports it).
+const MIN_DRIVER_VERSION: i32 = 13_000;
+
+/// Why the `libcuda` the loader finds cannot serve the backend, or `None`: it must export the
+/// entry points the backend starts with and report a driver of at least CUDA 13.0. (cudarc
+/// resolves each entry point on first use and panics where one is missing, so an older or foreign
+/// library is refused here, with the reason, before any call into it.)
+fn driver_problem() -> Option<String> {
+    type GetVersion = unsafe extern "C" fn(*mut i32) -> i32;
+    // SAFETY: as in `preload`; the handle is dropped at the end of this function (the library stays
+    // loaded for cudarc, which opened it too or will).
+    let lib = ["libcuda.so.1", "libcuda.so"].iter().find_map(|n| unsafe { libloading::Library::new(*n) }.ok())?;
+    for name in
+        ["cuInit", "cuDeviceGetCount", "cuDevicePrimaryCtxRetain", "cuGraphInstantiateWithFlags", "cuLaunchKernelEx"]
+    {
+        // SAFETY: only the symbol's presence is checked; it is not called.
+        if unsafe { lib.get::<*const ()>(name.as_bytes()) }.is_err() {
+            return Some(format!("the libcuda found lacks `{name}`: not an NVIDIA driver library of CUDA 13 or newer"));
+        }
+    }
+    // SAFETY: `cuDriverGetVersion` has this C signature in every CUDA driver and needs no prior
+    // `cuInit`; it writes one int.
+    let get: libloading::Symbol<'_, GetVersion> = match unsafe { lib.get(b"cuDriverGetVersion") } {
+        Ok(f) => f,
+        Err(_) => return Some("the libcuda found lacks `cuDriverGetVersion`: not an NVIDIA driver library".into()),
+    };
+    let mut version = 0i32;
+    // SAFETY: see above; `version` outlives the call.
+    let rc = unsafe { get(&mut version) };
+    if rc != 0 {
+        return Some(format!("cuDriverGetVersion failed (CUresult {rc})"));
+    }
+    (version < MIN_DRIVER_VERSION).then(|| {
+        format!(
+            "the NVIDIA driver supports CUDA {}.{}; the CUDA backend needs {}.{} or newer",
+            version / 1000,
+            version % 1000 / 10,
+            MIN_DRIVER_VERSION / 1000,
+            MIN_DRIVER_VERSION % 1000 / 10
+        )
+    })
 }
 
 /// Why `libnvrtc` cannot be loaded, or `None` if it can (its builtins are preloaded beside it).

@@ -190,7 +190,7 @@ pub struct SimulateArgs {
     /// Run one graph mode only (shorthand for `--modes MODE`).
     #[arg(long)]
     pub mode: Option<GraphMode>,
-    /// Requests in the stream.
+    /// Requests in the stream (1 to 1048576).
     #[arg(long, default_value_t = 48)]
     pub requests: usize,
     /// Prompt lengths, in tokens: `N` or `A..B` (uniform).

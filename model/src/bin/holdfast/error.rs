@@ -3,8 +3,10 @@
 use std::fmt;
 use std::process::ExitCode;
 
+use holdfast_attention::AttentionError;
 use holdfast_graph::GraphError;
 use holdfast_hal::HalError;
+use holdfast_mhc::MhcError;
 use holdfast_model::scheduler::ScheduleError;
 use holdfast_model::ModelError;
 
@@ -62,6 +64,10 @@ impl From<ModelError> for CliError {
     fn from(e: ModelError) -> Self {
         let usage = match &e {
             ModelError::Config { .. } | ModelError::Setting { .. } => true,
+            // Configurations the attention and mHC layers reject at construction (top-k, window,
+            // batch sizes their buffers cannot hold, a hidden size they have no kernels for).
+            ModelError::Attention(AttentionError::Config(_) | AttentionError::UnsupportedCompressRatio(_)) => true,
+            ModelError::Mhc(MhcError::Unsupported(_)) => true,
             ModelError::Graph(g) => graph_is_config(g),
             ModelError::Hal(h) => hal_is_config(h),
             ModelError::Schedule(s) => {

@@ -105,6 +105,9 @@ struct Report {
     verdict: Verdict,
 }
 
+/// Most requests one simulation serves (each is held in memory with its prompt).
+const MAX_REQUESTS: usize = 1 << 20;
+
 fn usage(msg: impl Into<String>) -> CliError {
     CliError::Usage(msg.into())
 }
@@ -116,8 +119,8 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
     if modes.is_empty() {
         return Err(usage("--modes: no graph mode given"));
     }
-    if a.requests == 0 {
-        return Err(usage("--requests must be at least 1"));
+    if a.requests == 0 || a.requests > MAX_REQUESTS {
+        return Err(usage(format!("--requests must lie in [1, {MAX_REQUESTS}], got {}", a.requests)));
     }
     if !(a.arrival_rate.is_finite() && a.arrival_rate >= 0.0) {
         return Err(usage(format!("--arrival-rate must be a finite rate >= 0, got {}", a.arrival_rate)));
@@ -129,12 +132,13 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
     if concurrency == 0 {
         return Err(usage("--concurrency must be at least 1"));
     }
-    if a.prompt_len.max + a.output_len.max > c.max_model_len {
+    let longest = a.prompt_len.max.checked_add(a.output_len.max);
+    if longest.is_none_or(|n| n > c.max_model_len) {
         return Err(usage(format!(
             "--prompt-len {} with --output-len {} needs sequences of {} tokens, above --max-model-len {}",
             a.prompt_len,
             a.output_len,
-            a.prompt_len.max + a.output_len.max,
+            longest.map_or_else(|| "more than 2^64".to_string(), |n| n.to_string()),
             c.max_model_len
         )));
     }
@@ -143,14 +147,15 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
     for &mode in &modes {
         ModelRunner::check(&cfg, &c.settings(mode))?;
     }
-    let dev = c.device()?;
     if a.tensor_parallel == 0 {
         return Err(usage("--tensor-parallel must be at least 1"));
     }
-    let devices = if a.tensor_parallel > 1 { c.devices(a.tensor_parallel)? } else { vec![dev.clone()] };
+    // The model must split into the ranks before any device opens.
     if a.tensor_parallel > 1 {
         cfg.validate_tp(a.tensor_parallel)?;
     }
+    let dev = c.device()?;
+    let devices = if a.tensor_parallel > 1 { c.devices(a.tensor_parallel)? } else { vec![dev.clone()] };
     let arrivals = workload::requests(c.seed, a.requests, a.prompt_len, a.output_len, cfg.vocab_size, a.arrival_rate);
     if !a.quiet {
         eprintln!(
@@ -342,7 +347,7 @@ fn run_mode(
         };
         step_seconds.push(res.total_seconds);
         steps += 1;
-        clock += 1;
+        clock = clock.saturating_add(1);
         processed += step.num_tokens() as u64;
         generated += res.tokens.len() as u64;
         for f in sched.update(&step, &res.tokens)? {
