@@ -186,6 +186,13 @@ pub fn main_with_args<I: IntoIterator<Item = String>>(args: I) -> i32 {
             }
         };
     }
+    // The report's file must be writable before the run starts, not found unwritable after it.
+    if let Some(path) = &cli.json {
+        if let Err(e) = std::fs::OpenOptions::new().write(true).create(true).truncate(false).open(path) {
+            eprintln!("error: --json {}: {e}", path.display());
+            return 2;
+        }
+    }
     let device = cli.device.or_else(|| std::env::var("HOLDFAST_DEVICE").ok()).unwrap_or_else(|| "cpu".into());
     let opts = Options { device, quick: cli.quick, only, torch: cli.torch, verbose: !cli.quiet };
     let report = match run(&opts) {

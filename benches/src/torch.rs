@@ -73,7 +73,8 @@ pub struct TorchReport {
 
 /// Reads `path`.
 pub fn load(path: &str) -> Result<TorchReport> {
-    let text = std::fs::read_to_string(path).map_err(|source| ReportError::Io { path: path.into(), source })?;
+    // A file the user named that cannot be read is a usage error (exit 2), as a malformed one is.
+    let text = std::fs::read_to_string(path).map_err(|e| ReportError::Usage(format!("--torch {path}: {e}")))?;
     serde_json::from_str(&text)
         .map_err(|e| ReportError::Usage(format!("--torch {path}: not a torch_report.py JSON: {e}")))
 }

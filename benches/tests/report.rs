@@ -50,3 +50,18 @@ fn an_unknown_device_exits_with_code_2() {
 fn an_unknown_section_exits_with_code_2() {
     assert_eq!(holdfast_benches::main_with_args(["gpu-report", "--only", "nope"].map(String::from)), 2);
 }
+
+#[test]
+fn an_unreadable_torch_file_or_unwritable_json_path_exits_with_code_2_before_the_run() {
+    let missing = std::env::temp_dir().join(format!("holdfast-no-such-dir-{}", std::process::id()));
+    let torch = missing.join("torch.json");
+    let json = missing.join("report.json");
+    // Both are refused before any section runs (a full report would take minutes; these return
+    // at once).
+    let t0 = std::time::Instant::now();
+    let args =
+        |extra: [&str; 2]| ["gpu-report", "--quick", "--only", "hal", extra[0], extra[1]].map(String::from).to_vec();
+    assert_eq!(holdfast_benches::main_with_args(args(["--torch", torch.to_str().unwrap_or("?")])), 2);
+    assert_eq!(holdfast_benches::main_with_args(args(["--json", json.to_str().unwrap_or("?")])), 2);
+    assert!(t0.elapsed().as_secs() < 5, "refused before the run");
+}

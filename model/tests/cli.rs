@@ -221,3 +221,12 @@ fn sizes_past_the_arithmetic_are_usage_errors_not_crashes() {
         assert_usage_error(&holdfast(&["plan", "--config", path]), &[field, "at most"]);
     }
 }
+
+#[test]
+fn an_unwritable_json_path_is_a_usage_error_before_any_mode_runs() {
+    let path = std::env::temp_dir().join(format!("holdfast-no-such-dir-{}", std::process::id())).join("r.json");
+    let p = path.to_str().expect("utf-8 path");
+    let out = holdfast(&["simulate", "--requests", "2", "--json", p]);
+    assert_usage_error(&out, &["--json", p]);
+    assert!(text(&out.stdout).is_empty(), "nothing ran: {}", text(&out.stdout));
+}

@@ -142,6 +142,15 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
             c.max_model_len
         )));
     }
+    // The report's file must be writable before any mode runs, not found unwritable after them.
+    if let Some(path) = &a.json {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| usage(format!("--json {}: {e}", path.display())))?;
+    }
     let (model, cfg) = c.model_config()?;
     // Every mode's settings are checked before the first mode runs.
     for &mode in &modes {
