@@ -54,13 +54,22 @@ pub(crate) struct CpuAllocation {
     data: Mutex<Box<[u64]>>,
 }
 
-#[derive(Default)]
 pub(crate) struct CpuCore {
     table: RwLock<BTreeMap<u64, Arc<CpuAllocation>>>,
     next_addr: AtomicU64,
+    /// The emulated device memory, bytes: allocations past it fail with `OutOfMemory`, as a GPU's
+    /// do (not an abort, nor the host's out-of-memory killer, when a configuration asks for more
+    /// than the host holds).
+    capacity: u64,
+    /// Bytes of live allocations.
+    used: AtomicU64,
 }
 
 impl CpuCore {
+    fn new(capacity: u64) -> Self {
+        CpuCore { table: RwLock::default(), next_addr: AtomicU64::new(0), capacity, used: AtomicU64::new(0) }
+    }
+
     fn reserve(&self, bytes: usize) -> u64 {
         let span = (bytes as u64).max(1).div_ceil(ALIGN) * ALIGN + GUARD;
         ADDRESS_BASE + self.next_addr.fetch_add(span, Ordering::Relaxed)
@@ -112,36 +121,56 @@ pub(crate) struct CpuDevice {
 
 impl CpuDevice {
     pub(crate) fn open() -> Result<(DeviceImpl, DeviceInfo)> {
+        let capacity = memory_capacity()?;
         let info = DeviceInfo {
             name: "holdfast CPU emulator".into(),
             backend: BackendKind::Cpu,
             ordinal: 0,
-            total_memory: host_memory_bytes(),
+            total_memory: capacity,
             arch: "cpu".into(),
             compute_units: rayon::current_num_threads() as u32,
             warp_size: 1,
             max_shared_mem_per_block: crate::device::SM90_MAX_SHARED_MEM_PER_BLOCK,
         };
-        Ok((DeviceImpl::Cpu(CpuDevice { core: Arc::new(CpuCore::default()) }), info))
+        Ok((DeviceImpl::Cpu(CpuDevice { core: Arc::new(CpuCore::new(capacity)) }), info))
     }
 }
 
-fn host_memory_bytes() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
-        })
-        .map_or(0, |kb| kb * 1024)
+/// Environment variable: the CPU emulator's device memory in bytes (default: nine tenths of the
+/// host memory available when the device opens).
+pub const CPU_MEMORY_ENV: &str = "HOLDFAST_CPU_MEMORY";
+
+/// The emulated device memory: [`CPU_MEMORY_ENV`] if set, else nine tenths of `MemAvailable`
+/// (unlimited where the host does not say).
+fn memory_capacity() -> Result<u64> {
+    if let Ok(v) = std::env::var(CPU_MEMORY_ENV) {
+        return v.trim().parse::<u64>().map_err(|e| HalError::UnknownDevice {
+            name: "cpu".into(),
+            reason: format!("{CPU_MEMORY_ENV}={v:?} is not a byte count: {e}"),
+        });
+    }
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+    });
+    Ok(available.map_or(u64::MAX, |kb| kb.saturating_mul(1024) / 10 * 9))
 }
 
 impl DeviceOps for CpuDevice {
     fn alloc(&self, bytes: usize, label: &str) -> Result<MemImpl> {
+        let oom = || HalError::OutOfMemory { bytes, label: label.to_string() };
+        let before = self.core.used.fetch_add(bytes as u64, Ordering::Relaxed);
+        if before.saturating_add(bytes as u64) > self.core.capacity {
+            self.core.used.fetch_sub(bytes as u64, Ordering::Relaxed);
+            return Err(oom());
+        }
         let words = bytes.div_ceil(8);
         let mut data = Vec::new();
-        data.try_reserve_exact(words).map_err(|_| HalError::OutOfMemory { bytes, label: label.to_string() })?;
+        if data.try_reserve_exact(words).is_err() {
+            self.core.used.fetch_sub(bytes as u64, Ordering::Relaxed);
+            return Err(oom());
+        }
         data.resize(words, u64::from_ne_bytes([POISON; 8]));
         let base = self.core.reserve(bytes);
         let a = Arc::new(CpuAllocation {
@@ -240,7 +269,10 @@ impl MemOps for CpuMem {
 
 impl Drop for CpuMem {
     fn drop(&mut self) {
-        self.core.table.write().unwrap_or_else(|p| p.into_inner()).remove(&self.base);
+        let removed = self.core.table.write().unwrap_or_else(|p| p.into_inner()).remove(&self.base);
+        if let Some(a) = removed {
+            self.core.used.fetch_sub(a.bytes as u64, Ordering::Relaxed);
+        }
     }
 }
 
