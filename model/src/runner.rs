@@ -211,6 +211,24 @@ impl ModelRunner {
                 ));
             }
         }
+        // Every ragged attention list holds max_num_batched_tokens rows of its width with i32
+        // offsets (the attention layer checks this too, but only once the weights are loaded).
+        let widths = [
+            ("the sliding window", cfg.sliding_window, true),
+            ("the c128a width", holdfast_attention::c128a_max_compressed(s.max_model_len), cfg.has_c128a()),
+            ("index_topk", cfg.index_topk, cfg.has_c4a()),
+        ];
+        for (what, width, used) in widths {
+            if used && s.max_num_batched_tokens.checked_mul(width).is_none_or(|n| n > i32::MAX as usize) {
+                return Err(setting(
+                    "max_num_batched_tokens",
+                    format!(
+                        "{} tokens × {width} entries ({what}) overflow the 32-bit offsets of the ragged attention lists",
+                        s.max_num_batched_tokens
+                    ),
+                ));
+            }
+        }
         let bps_kv = s.max_model_len.div_ceil(KV_BLOCK_SIZE);
         let bps_swa = s.max_model_len.div_ceil(SWA_BLOCK_SIZE);
         // Every sequence's blocks plus the null block by default; at least 2, and few enough that

@@ -236,6 +236,12 @@ fn bad_inputs_are_errors(dev: &Device) {
     assert!(runner.logits(usize::MAX / 2).is_err());
     assert!(runner.logits(1 << 40).is_err());
 
+    // Ragged attention lists whose offsets would pass 32 bits are refused before anything loads.
+    let wide = RunnerSettings { max_num_batched_tokens: 100_000_000, max_num_seqs: 1, ..settings(GraphMode::None) };
+    let e = ModelRunner::check(&cfg, &RunnerSettings { capture_sizes: None, ..wide }).expect_err("i32 offsets");
+    assert!(matches!(e, ModelError::Setting { setting: "max_num_batched_tokens", .. }), "{e}");
+    assert!(e.to_string().contains("32-bit offsets"), "{e}");
+
     // Block counts whose SWA block ids pass 32 bits are refused with the setting named.
     let huge = RunnerSettings { kv_num_blocks: Some(usize::MAX), ..settings(GraphMode::None) };
     let e = ModelRunner::check(&cfg, &huge).expect_err("too many blocks");
