@@ -935,11 +935,18 @@ pub fn persistent_alloc(dev: &Device, label: &str, len: usize) -> holdfast_hal::
     dev.alloc_persistent(label, len)
 }
 
+/// Entries of a ragged list of `max_rows` rows of up to `width` each (what a builder allocates):
+/// an error naming `name` where they pass the lists' 32-bit offsets. Device-free, so a caller can
+/// check its limits before building anything.
+pub fn ragged_capacity(name: &str, max_rows: usize, width: usize) -> Result<usize> {
+    max_rows.checked_mul(width).filter(|&c| c <= i32::MAX as usize).ok_or_else(|| {
+        AttentionError::Config(format!("{name}: {max_rows} × {width} ragged entries overflow the 32-bit offsets"))
+    })
+}
+
 impl RaggedBuffers {
     pub(crate) fn new(dev: &Device, alloc: BufferAlloc<'_>, name: &str, max_rows: usize, width: usize) -> Result<Self> {
-        let cells = max_rows.checked_mul(width).filter(|&c| c <= i32::MAX as usize).ok_or_else(|| {
-            AttentionError::Config(format!("{name}: {max_rows} × {width} ragged entries overflow i32"))
-        })?;
+        let cells = ragged_capacity(name, max_rows, width)?;
         Ok(RaggedBuffers {
             indptr: alloc(dev, &format!("{name}.indptr"), max_rows + 1)?,
             flat: alloc(dev, &format!("{name}.indices"), cells.max(1))?,

@@ -57,7 +57,7 @@ mod swa;
 pub use c128a::{c128a_max_compressed, C128aBuilder, C128aDecode, C128aMetadata, C128A_ALIGN, C128A_RATIO};
 pub use c4a::{C4aBuilder, C4aDecode, C4aMetadata, C4A_RATIO};
 pub use common::{
-    persistent_alloc, BlockTableConfig, BlockTableUpdate, BlockTableUpdates, BufferAlloc, BuildStats,
+    persistent_alloc, ragged_capacity, BlockTableConfig, BlockTableUpdate, BlockTableUpdates, BufferAlloc, BuildStats,
     CommonAttentionMetadata, CommonConfig, Ragged, StepInput, StepLayout, TableKind,
 };
 pub use compressor::{source as compressor_source, Compressor, CompressorWeights, COMPRESSOR_THREADS};

@@ -211,22 +211,17 @@ impl ModelRunner {
                 ));
             }
         }
-        // Every ragged attention list holds max_num_batched_tokens rows of its width with i32
-        // offsets (the attention layer checks this too, but only once the weights are loaded).
+        // Every ragged attention list holds max_num_batched_tokens rows of its width: checked here,
+        // before anything is built (the builders apply the same bound when they allocate).
         let widths = [
-            ("the sliding window", cfg.sliding_window, true),
-            ("the c128a width", holdfast_attention::c128a_max_compressed(s.max_model_len), cfg.has_c128a()),
-            ("index_topk", cfg.index_topk, cfg.has_c4a()),
+            ("the SWA lists (sliding_window)", cfg.sliding_window, true),
+            ("the c128a lists", holdfast_attention::c128a_max_compressed(s.max_model_len), cfg.has_c128a()),
+            ("the c4a lists (index_topk)", cfg.index_topk, cfg.has_c4a()),
         ];
         for (what, width, used) in widths {
-            if used && s.max_num_batched_tokens.checked_mul(width).is_none_or(|n| n > i32::MAX as usize) {
-                return Err(setting(
-                    "max_num_batched_tokens",
-                    format!(
-                        "{} tokens × {width} entries ({what}) overflow the 32-bit offsets of the ragged attention lists",
-                        s.max_num_batched_tokens
-                    ),
-                ));
+            if used {
+                holdfast_attention::ragged_capacity(what, s.max_num_batched_tokens, width)
+                    .map_err(|e| setting("max_num_batched_tokens", e.to_string()))?;
             }
         }
         let bps_kv = s.max_model_len.div_ceil(KV_BLOCK_SIZE);
@@ -347,6 +342,7 @@ impl ModelRunner {
                 max_num_batched_tokens: s.max_num_batched_tokens,
                 max_model_len: s.max_model_len,
                 long_prefill_token_threshold: s.long_prefill_token_threshold,
+                vocab_size: self.runner.forward().config().vocab_size,
             },
             KvManager::new(self.kv)?,
         )?)
@@ -438,15 +434,7 @@ impl ModelRunner {
     ) -> Result<ServeReport> {
         let t0 = Instant::now();
         let mut sched = self.scheduler()?;
-        let vocab = self.runner.forward().config().vocab_size;
         for r in requests {
-            if let Some((i, &t)) = r.prompt.iter().enumerate().find(|(_, &t)| t >= 0 && t as usize >= vocab) {
-                return Err(crate::scheduler::ScheduleError::BadRequest {
-                    id: r.id,
-                    reason: format!("prompt token {i} has id {t}, outside the vocabulary [0, {vocab})"),
-                }
-                .into());
-            }
             sched.add(r)?;
         }
         let mut rep = ServeReport::default();

@@ -116,6 +116,8 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     /// Most tokens of one request's prefill chunk per step; 0 = no limit.
     pub long_prefill_token_threshold: usize,
+    /// Token ids lie in `[0, vocab_size)` (`1 ..= 2^31`).
+    pub vocab_size: usize,
 }
 
 /// A request that generated all its tokens.
@@ -293,6 +295,9 @@ impl Scheduler {
         if cfg.max_model_len > i32::MAX as usize || cfg.max_num_batched_tokens > i32::MAX as usize {
             return Err(ScheduleError::Config(format!("token counts must fit in i32: {cfg:?}")));
         }
+        if cfg.vocab_size == 0 || cfg.vocab_size > 1 << 31 {
+            return Err(ScheduleError::Config(format!("vocab_size must lie in [1, 2^31]: {cfg:?}")));
+        }
         if cfg.max_num_seqs > u32::MAX as usize {
             return Err(ScheduleError::Config(format!("max_num_seqs must fit in u32: {cfg:?}")));
         }
@@ -320,7 +325,8 @@ impl Scheduler {
 
     /// Queues a request. Errors (naming the request and the limit) if the prompt is empty,
     /// `max_new_tokens == 0`, `prompt + max_new_tokens > max_model_len`, the id is already waiting
-    /// or running, a token id is negative, or its KV can never fit the cache even alone.
+    /// or running, a token id is negative or past the vocabulary, or its KV can never fit the cache
+    /// even alone.
     pub fn add(&mut self, r: Request) -> Result<(), ScheduleError> {
         let id = r.id;
         let bad = |reason: String| Err(ScheduleError::BadRequest { id, reason });
@@ -335,6 +341,10 @@ impl Scheduler {
         }
         if let Some((i, &t)) = r.prompt.iter().enumerate().find(|(_, &t)| t < 0) {
             return bad(format!("prompt token {i} has negative id {t}"));
+        }
+        let vocab = self.cfg.vocab_size;
+        if let Some((i, &t)) = r.prompt.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+            return bad(format!("prompt token {i} has id {t}, outside the vocabulary [0, {vocab})"));
         }
         let total = r.prompt.len().saturating_add(r.max_new_tokens);
         if total > self.cfg.max_model_len {

@@ -217,8 +217,9 @@ fn bad_inputs_are_errors(dev: &Device) {
     assert!(e.to_string().contains("overwrite the step staged for 8"), "{e}");
     Forward::prepare(&mut fwd, &s, &desc, StepKind::Step).expect("the staged step is intact and runs");
 
-    // A negative token id is the scheduler's to refuse; one past the vocabulary is refused by
-    // serving (naming the request) and by staging a step that carries it (never embedded as zeros).
+    // Token ids outside the vocabulary: the runner's scheduler refuses them (naming the request),
+    // serving included, and staging a hand-made step that carries one fails (never embedded as
+    // zeros).
     let mut sched = runner.scheduler().expect("scheduler");
     assert!(sched.add(Request { id: 2, prompt: vec![-3], max_new_tokens: 1 }).is_err());
     let vocab = cfg.vocab_size as i32;
@@ -226,10 +227,9 @@ fn bad_inputs_are_errors(dev: &Device) {
     let e = e.expect_err("an id past the vocabulary");
     assert!(e.to_string().contains("request 4") && e.to_string().contains(&format!("id {vocab}")), "{e}");
     let mut sched = runner.scheduler().expect("scheduler");
-    sched
-        .add(Request { id: 5, prompt: vec![1, i32::MAX], max_new_tokens: 1 })
-        .expect("the scheduler knows no vocabulary");
-    let step = sched.schedule().expect("schedule").expect("a step");
+    sched.add(Request { id: 5, prompt: vec![1, 2], max_new_tokens: 1 }).expect("add");
+    let mut step = sched.schedule().expect("schedule").expect("a step");
+    step.token_ids[1] = i32::MAX;
     let e = runner.execute(&step).expect_err("staging an id past the vocabulary");
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
     // Logits of more rows than any step holds: an error, whatever the product.

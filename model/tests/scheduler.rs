@@ -10,6 +10,8 @@ use holdfast_model::scheduler::{Finished, Request, ScheduleError, Scheduler, Sch
 use proptest::prelude::*;
 
 const SWA_BS: usize = 4;
+/// Vocabulary of the schedulers here.
+const VOCAB: usize = 50_000;
 const KV_BS: usize = 8;
 
 fn kv_cfg(swa_num_blocks: usize, kv_num_blocks: usize) -> KvConfig {
@@ -24,7 +26,13 @@ fn kv_cfg(swa_num_blocks: usize, kv_num_blocks: usize) -> KvConfig {
 }
 
 fn cfg(max_num_seqs: usize, max_num_batched_tokens: usize, long_prefill_token_threshold: usize) -> SchedulerConfig {
-    SchedulerConfig { max_num_seqs, max_num_batched_tokens, max_model_len: 256, long_prefill_token_threshold }
+    SchedulerConfig {
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len: 256,
+        long_prefill_token_threshold,
+        vocab_size: VOCAB,
+    }
 }
 
 fn scheduler(c: SchedulerConfig, swa_num_blocks: usize, kv_num_blocks: usize) -> Scheduler {
@@ -249,6 +257,10 @@ fn bad_requests_are_refused_with_precise_messages() {
         "request 5: prompt token 1 has negative id -3"
     );
     assert_eq!(
+        msg(&mut s, Request { id: 5, prompt: vec![1, 49_999, 50_000], max_new_tokens: 1 }),
+        "request 5: prompt token 2 has id 50000, outside the vocabulary [0, 50000)"
+    );
+    assert_eq!(
         msg(&mut s, req(5, 200, 57)),
         "request 5: prompt (200 tokens) + max_new_tokens (57) = 257 exceeds max_model_len 256"
     );
@@ -283,7 +295,13 @@ fn a_request_that_can_never_fit_is_refused_not_livelocked() {
 #[test]
 fn bad_limits_are_config_errors() {
     let kv = || KvManager::new(kv_cfg(8, 8)).expect("kv");
-    for c in [cfg(0, 8, 0), cfg(1, 0, 0), SchedulerConfig { max_model_len: 0, ..cfg(1, 8, 0) }] {
+    for c in [
+        cfg(0, 8, 0),
+        cfg(1, 0, 0),
+        SchedulerConfig { max_model_len: 0, ..cfg(1, 8, 0) },
+        SchedulerConfig { vocab_size: 0, ..cfg(1, 8, 0) },
+        SchedulerConfig { vocab_size: (1 << 31) + 1, ..cfg(1, 8, 0) },
+    ] {
         assert!(matches!(Scheduler::new(c, kv()), Err(ScheduleError::Config(_))), "{c:?}");
     }
 }
@@ -619,6 +637,7 @@ fn two_hundred_random_requests_each_get_what_they_get_alone() {
         max_num_batched_tokens: 64,
         max_model_len: 128,
         long_prefill_token_threshold: 24,
+        vocab_size: VOCAB,
     };
     // 100 usable SWA blocks = 400 tokens for up to 16 requests of up to 127: preemption happens.
     let mut s = scheduler(c, 101, 60);
@@ -664,7 +683,13 @@ proptest! {
         swa_blocks in 17usize..40,
         reqs in prop::collection::vec((1usize..40, 1usize..20, 0usize..4), 1..25),
     ) {
-        let c = SchedulerConfig { max_num_seqs, max_num_batched_tokens: budget, max_model_len: 64, long_prefill_token_threshold: threshold };
+        let c = SchedulerConfig {
+            max_num_seqs,
+            max_num_batched_tokens: budget,
+            max_model_len: 64,
+            long_prefill_token_threshold: threshold,
+            vocab_size: VOCAB,
+        };
         let mut s = scheduler(c, swa_blocks, 64);
         let mut arrivals: Vec<Vec<Request>> = Vec::new();
         let mut all = Vec::new();
