@@ -46,9 +46,10 @@ const TOPK: usize = 512;
 /// reads the block-table entries of its window and writes its dense `[WINDOW]` row and
 /// `min(p + 1, WINDOW)` ragged entries; c128a reads the table entry of every other compressed
 /// entry (two per 256-token block) and writes its dense row of `width` entries and
-/// `n = min((p + 1) / 128, width)` ragged ones; c4a reads its top-k row twice (count, then pack)
-/// and one table entry per selected index, and writes them ragged; each writes a length and an
-/// indptr entry; the upload copies the per-request and per-token fields and the update cells.
+/// `n = min((p + 1) / 128, width)` ragged ones; c4a reads its top-k row once (its one-pass build
+/// holds the row in registers from the count to the pack) and one table entry per selected index,
+/// and writes them ragged; each writes a length and an indptr entry; the upload copies the
+/// per-request and per-token fields and the update cells.
 pub fn step_bytes(input: &StepInput<'_>, cfg: &CommonConfig) -> u64 {
     let width = c128a_max_compressed(cfg.max_model_len) as u64;
     let (w, k, i) = (WINDOW as u64, TOPK as u64, 4u64);
@@ -61,7 +62,7 @@ pub fn step_bytes(input: &StepInput<'_>, cfg: &CommonConfig) -> u64 {
         let n = ((p + 1) / 128).min(width);
         bytes += n.div_ceil(2) * i + (width + n + 2) * i;
         let kept = k.min((p + 1) / 4);
-        bytes += 2 * k * i + kept * i + (kept + 2) * i;
+        bytes += k * i + kept * i + (kept + 2) * i;
     }
     bytes
 }
@@ -474,7 +475,7 @@ mod tests {
         let fields = 6 * 4;
         let swa = 2 * 4 + (128 + 1 + 2) * 4;
         let c128a = (8192 + 2) * 4;
-        let c4a = 2 * 512 * 4 + 2 * 4;
+        let c4a = 512 * 4 + 2 * 4;
         assert_eq!(step_bytes(&input(&[0], &[1]), &cfg), (fields + swa + c128a + c4a) as u64);
         // Deep in a 1M context the dense c128a row and its ragged copy dominate.
         let deep = step_bytes(&input(&[1 << 19], &[(1 << 19) + 1]), &cfg);
