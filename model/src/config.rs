@@ -449,6 +449,66 @@ mod tests {
     }
 
     #[test]
+    fn every_rule_names_its_field_and_what_is_allowed() {
+        type Set = fn(&mut ModelConfig);
+        let cases: &[(&str, &str, Set)] = &[
+            ("hidden_size", "at least 1", |c| c.hidden_size = 0),
+            ("num_hidden_layers", "at least 1", |c| c.num_hidden_layers = 0),
+            ("num_attention_heads", "at least 1", |c| c.num_attention_heads = 0),
+            ("q_lora_rank", "at least 1", |c| c.q_lora_rank = 0),
+            ("o_lora_rank", "at least 1", |c| c.o_lora_rank = 0),
+            ("o_groups", "at least 1", |c| c.o_groups = 0),
+            ("moe_intermediate_size", "at least 1", |c| c.moe_intermediate_size = 0),
+            ("max_position_embeddings", "at least 1", |c| c.max_position_embeddings = 0),
+            ("sliding_window", "at least 1 token", |c| c.sliding_window = 0),
+            ("head_dim", "multiple of 64", |c| c.head_dim = 96),
+            ("head_dim", "multiple of 64", |c| c.head_dim = 576),
+            ("qk_rope_head_dim", "even", |c| c.qk_rope_head_dim = 15),
+            ("qk_rope_head_dim", "head_dim 64", |c| c.qk_rope_head_dim = 128),
+            ("o_groups", "must divide", |c| c.o_groups = 3),
+            ("hc_mult", "only 4", |c| c.hc_mult = 2),
+            ("hc_sinkhorn_iters", "at least 1", |c| c.hc_sinkhorn_iters = 0),
+            ("hc_eps", "positive finite", |c| c.hc_eps = 0.0),
+            ("rms_norm_eps", "positive finite", |c| c.rms_norm_eps = f32::NAN),
+            ("rms_norm_eps", "positive finite", |c| c.rms_norm_eps = f32::INFINITY),
+            ("rope_theta", "above 1", |c| c.rope_theta = 1.0),
+            ("compress_rope_theta", "above 1", |c| c.compress_rope_theta = f32::NAN),
+            ("swiglu_limit", "positive", |c| c.swiglu_limit = 0.0),
+            ("swiglu_limit", "positive", |c| c.swiglu_limit = f32::NAN),
+            ("vocab_size", "[2, 2^31)", |c| c.vocab_size = 1),
+            ("vocab_size", "[2, 2^31)", |c| c.vocab_size = 1 << 31),
+            ("compress_ratios", "num_hidden_layers (4)", |c| c.compress_ratios = vec![0, 4]),
+            ("compress_ratios", "layer 2: ratio 64", |c| c.compress_ratios = vec![0, 4, 64, 0]),
+            ("index_n_heads", "at least 1", |c| c.index_n_heads = 0),
+            ("index_topk", "at least 1", |c| c.index_topk = 0),
+            ("index_head_dim", "multiple of 32", |c| c.index_head_dim = 48),
+            ("index_head_dim", "at least qk_rope_head_dim", |c| c.index_head_dim = 0),
+        ];
+        for (field, needle, f) in cases {
+            let mut c = ModelConfig::tiny();
+            f(&mut c);
+            match c.validate() {
+                Err(ModelError::Config { field: got, detail }) => {
+                    assert_eq!(got, *field, "{detail}");
+                    assert!(detail.contains(needle), "{field}: {detail}");
+                }
+                other => panic!("{field} ({needle}): {other:?}"),
+            }
+        }
+        // Without c4a layers the indexer's fields are not used, so they are not checked.
+        let mut c = ModelConfig::tiny();
+        c.compress_ratios = vec![0, 1, 128, 0];
+        c.index_n_heads = 0;
+        c.index_head_dim = 0;
+        c.validate().expect("no c4a layer: the indexer's fields are unused");
+        // A window-only layer may be written 0 or 1, with or without the trailing (MTP) entry.
+        c.compress_ratios = vec![1, 0, 4, 128, 0];
+        c.index_n_heads = 2;
+        c.index_head_dim = 32;
+        c.validate().expect("n + 1 ratios");
+    }
+
+    #[test]
     fn presets_validate_and_round_trip() {
         for name in ["tiny", "flash-slice", "pro-slice"] {
             let c = ModelConfig::preset(name).expect("preset");
