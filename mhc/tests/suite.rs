@@ -908,8 +908,26 @@ fn misuse_is_a_precise_error_and_launches_nothing(dev: &Device) {
         Err(MhcError::Overlap { .. })
     ));
 
-    for bad in [MhcConfig { hc_mult: 2, hidden, max_tokens: 4 }, MhcConfig { hc_mult: N, hidden: 0, max_tokens: 4 }] {
-        assert!(matches!(MhcOps::new(dev, &fx.kernels, bad), Err(MhcError::Unsupported(_))));
+    // Configurations the kernels cannot take are refused before anything is allocated, naming
+    // the value and the allowed range.
+    for (bad, needle) in [
+        (MhcConfig { hc_mult: 2, hidden, max_tokens: 4 }, "hc_mult 2"),
+        (MhcConfig { hc_mult: N, hidden: 0, max_tokens: 4 }, "hidden 0"),
+        (MhcConfig { hc_mult: N, hidden: 1 << 23, max_tokens: 4 }, "2^24"),
+        (MhcConfig { hc_mult: N, hidden, max_tokens: 1 << 33 }, "32 bits"),
+    ] {
+        match MhcOps::new(dev, &fx.kernels, bad) {
+            Err(MhcError::Unsupported(m)) => assert!(m.contains(needle), "{m}"),
+            other => panic!("{bad:?}: {other:?}"),
+        }
+    }
+    for tile in [0, 129] {
+        match fx.ops(hidden, 4).with_tile_tokens(Some(tile)) {
+            Err(MhcError::Unsupported(m)) => {
+                assert!(m.contains(&format!("tile_tokens {tile}")) && m.contains("1..=128"), "{m}")
+            }
+            other => panic!("tile {tile}: {:?}", other.map(|_| ())),
+        }
     }
     // Nothing above reached the device: the poisoned output is untouched.
     assert!(fx.read(&head.out.view()).iter().all(|v| v.to_bits() == 0xFFFF));
