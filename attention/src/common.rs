@@ -82,8 +82,14 @@ impl CommonConfig {
         if self.max_table_updates == 0 || self.max_table_updates > (i32::MAX as usize - 1) / 2 {
             return bad(format!("max_table_updates {} must lie in [1, (i32::MAX − 1) / 2]", self.max_table_updates));
         }
-        if self.max_num_batched_tokens > i32::MAX as usize || self.max_model_len > i32::MAX as usize {
-            return bad("token counts must fit in i32".into());
+        for (name, v) in [
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_num_seqs", self.max_num_seqs),
+            ("max_model_len", self.max_model_len),
+        ] {
+            if v > i32::MAX as usize {
+                return bad(format!("{name} {v} must fit in i32 (at most {})", i32::MAX));
+            }
         }
         for (name, t) in [("swa_table", self.swa_table), ("kv_table", self.kv_table)] {
             if t.block_size == 0 || t.max_blocks_per_seq == 0 || t.num_blocks == 0 {
@@ -616,13 +622,16 @@ impl CommonAttentionMetadata {
                 ),
             ));
         }
-        if input.num_reqs_padded < nr || input.num_tokens_padded < nt {
+        if input.num_reqs_padded < nr {
+            return Err(invalid(
+                "num_reqs_padded",
+                format!("{} padded requests, below the {nr} real ones", input.num_reqs_padded),
+            ));
+        }
+        if input.num_tokens_padded < nt {
             return Err(invalid(
                 "num_tokens_padded",
-                format!(
-                    "padded counts ({} requests, {} tokens) below the real ones ({nr}, {nt})",
-                    input.num_reqs_padded, input.num_tokens_padded
-                ),
+                format!("{} padded tokens, below the {nt} real ones", input.num_tokens_padded),
             ));
         }
         let expect = |field: &'static str, got: usize, want: usize| {
@@ -651,6 +660,12 @@ impl CommonAttentionMetadata {
                 return Err(invalid(
                     "query_start_loc",
                     format!("decreases at request {r} ({} → {})", qsl[r], qsl[r + 1]),
+                ));
+            }
+            if qsl[r + 1] as i64 > nt as i64 {
+                return Err(invalid(
+                    "query_start_loc",
+                    format!("request {r} ends at token {}, past num_tokens {nt}", qsl[r + 1]),
                 ));
             }
             let q = q as usize;

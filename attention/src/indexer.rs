@@ -963,7 +963,8 @@ impl Indexer {
         }
         let shared = heads
             .checked_mul(head_dim)
-            .and_then(|v| v.checked_add(heads + INDEXER_WARPS as usize * head_dim))
+            .and_then(|v| v.checked_add(heads))
+            .and_then(|v| v.checked_add((INDEXER_WARPS as usize).checked_mul(head_dim)?))
             .filter(|&v| v <= INDEXER_MAX_SHARED_FLOATS);
         if shared.is_none() {
             return Err(shape(
@@ -986,12 +987,24 @@ impl Indexer {
         }
         let (t, mc) = (cfg.max_num_batched_tokens, indexer_max_compressed(cfg.max_model_len));
         let cache_rows = table.num_blocks.checked_mul(table.block_size / RATIO);
-        if cache_rows.and_then(|r| r.checked_mul(head_dim)).is_none_or(|v| v > u32::MAX as usize)
-            || t.checked_mul(topk).is_none()
-            || t.checked_mul(heads * head_dim).is_none()
-            || mc > i32::MAX as usize
-        {
-            return Err(AttentionError::Config(format!("{OP}: cache or per-token sizes overflow")));
+        if cache_rows.and_then(|r| r.checked_mul(head_dim)).is_none_or(|v| v > u32::MAX as usize) {
+            return Err(AttentionError::Config(format!(
+                "{OP}: the key cache ({} blocks × {} entries × head_dim {head_dim}) passes the 2^32 elements \
+                 its 32-bit offsets reach",
+                table.num_blocks,
+                table.block_size / RATIO
+            )));
+        }
+        if t.checked_mul(topk).is_none() || t.checked_mul(heads * head_dim).is_none() {
+            return Err(AttentionError::Config(format!(
+                "{OP}: max_num_batched_tokens {t} × index_topk {topk} or × {heads} heads × {head_dim} overflows"
+            )));
+        }
+        if mc > i32::MAX as usize {
+            return Err(AttentionError::Config(format!(
+                "{OP}: max_model_len {} gives {mc} compressed entries per row, past i32",
+                cfg.max_model_len
+            )));
         }
         let cells = t
             .checked_mul(mc)

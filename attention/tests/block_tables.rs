@@ -251,9 +251,120 @@ fn every_bad_update_or_row_is_a_precise_error_that_changes_nothing(dev: &Device)
     assert_eq!(common.table_row_columns(TableKind::Swa, 6), None);
 }
 
+/// Every rejected [`CommonConfig`]: a `Config` error whose message names the field or table at
+/// fault and the bound it breaks; nothing is allocated.
+fn every_rejected_common_config_names_the_field_and_the_bound(dev: &Device) {
+    let base = config(32, 4, 1024, 0, 64, 256);
+    let new = |f: &dyn Fn(&mut CommonConfig)| {
+        let mut c = base;
+        f(&mut c);
+        CommonAttentionMetadata::new(dev, c).map(|_| ())
+    };
+    let config_error: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Config(_));
+    let big = i32::MAX as usize + 1;
+    let cases: Vec<ErrorCase> = vec![
+        (
+            "zero tokens",
+            new(&|c| c.max_num_batched_tokens = 0),
+            config_error,
+            words(&["sizes must be positive", "max_num_batched_tokens: 0"]),
+        ),
+        (
+            "zero seqs",
+            new(&|c| c.max_num_seqs = 0),
+            config_error,
+            words(&["sizes must be positive", "max_num_seqs: 0"]),
+        ),
+        (
+            "zero model length",
+            new(&|c| c.max_model_len = 0),
+            config_error,
+            words(&["sizes must be positive", "max_model_len: 0"]),
+        ),
+        (
+            "no update cells",
+            new(&|c| c.max_table_updates = 0),
+            config_error,
+            words(&["max_table_updates 0", "[1, (i32::MAX − 1) / 2]"]),
+        ),
+        (
+            "too many update cells",
+            new(&|c| c.max_table_updates = (i32::MAX as usize - 1) / 2 + 1),
+            config_error,
+            words(&["max_table_updates 1073741824", "[1, (i32::MAX − 1) / 2]"]),
+        ),
+        (
+            "tokens past i32",
+            new(&|c| c.max_num_batched_tokens = big),
+            config_error,
+            vec![format!("max_num_batched_tokens {big} must fit in i32 (at most {})", i32::MAX)],
+        ),
+        (
+            "requests past i32",
+            new(&|c| c.max_num_seqs = usize::MAX),
+            config_error,
+            vec![format!("max_num_seqs {} must fit in i32", usize::MAX)],
+        ),
+        (
+            "model length past i32",
+            new(&|c| c.max_model_len = big),
+            config_error,
+            vec![format!("max_model_len {big} must fit in i32")],
+        ),
+        (
+            "zero SWA block size",
+            new(&|c| c.swa_table.block_size = 0),
+            config_error,
+            words(&["swa_table: sizes must be positive", "block_size: 0"]),
+        ),
+        (
+            "zero KV blocks",
+            new(&|c| c.kv_table.num_blocks = 0),
+            config_error,
+            words(&["kv_table: sizes must be positive", "num_blocks: 0"]),
+        ),
+        (
+            "zero KV row width",
+            new(&|c| c.kv_table.max_blocks_per_seq = 0),
+            config_error,
+            words(&["kv_table: sizes must be positive", "max_blocks_per_seq: 0"]),
+        ),
+        (
+            "SWA slots past i32",
+            new(&|c| c.swa_table.block_size = 1 << 20),
+            config_error,
+            words(&["swa_table: 4096 blocks × 1048576 tokens overflow i32 slot ids"]),
+        ),
+        (
+            "KV slot count overflows usize",
+            new(&|c| c.kv_table.num_blocks = usize::MAX),
+            config_error,
+            words(&["kv_table:", "overflow i32 slot ids"]),
+        ),
+        (
+            "KV cells past i32",
+            new(&|c| c.kv_table.max_blocks_per_seq = 1 << 29),
+            config_error,
+            words(&["kv_table: [max_num_seqs + 1, max_blocks_per_seq] overflows i32 cell indices"]),
+        ),
+        (
+            "both tables' cells past i32",
+            new(&|c| {
+                c.max_num_seqs = 1;
+                c.swa_table.max_blocks_per_seq = (1 << 30) - 1;
+                c.kv_table.max_blocks_per_seq = (1 << 30) - 1;
+            }),
+            config_error,
+            words(&["the two block tables hold 4294967292 cells together", "i32 cell indices"]),
+        ),
+    ];
+    check_errors(cases);
+}
+
 holdfast_hal::device_suite!(
     a_growing_decode_appends_blocks_only_where_a_token_starts_one,
     a_released_row_is_reused_by_a_new_request,
     a_step_with_more_cells_than_a_captured_upload_applies_goes_through_the_bulk_path,
     every_bad_update_or_row_is_a_precise_error_that_changes_nothing,
+    every_rejected_common_config_names_the_field_and_the_bound,
 );

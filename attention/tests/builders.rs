@@ -217,6 +217,331 @@ fn bad_inputs_are_errors_before_any_kernel(dev: &Device) {
     assert!(matches!(C4aBuilder::new(dev, &cfg, 0), Err(AttentionError::Config(_))));
 }
 
+/// Every per-step input check of [`CommonAttentionMetadata::stage`] (and the row release): an
+/// `InvalidInput` naming the field, whose detail gives the offending request or token, its value
+/// and the bound it breaks. The block-table and table-row checks are in `block_tables.rs`.
+fn every_bad_step_input_names_the_field_and_the_bound(dev: &Device) {
+    let mut rng = Rng(5);
+    let cfg = config(32, 4, 1024, 0, 64, 256);
+    let mut common = CommonAttentionMetadata::new(dev, cfg).expect("common");
+    let good = random_batch(&mut rng, &cfg, 2, 1, 0, 0);
+    let staged = common.stage(&good.input()).expect("good input");
+    let (nt, q2) = (good.num_tokens(), (good.qsl[3] - good.qsl[2]) as usize);
+    assert!(q2 > 1 && nt == q2 + 2, "two decodes of one token, then one prefill");
+    assert!(good.seq_lens[1] as usize >= nt, "request 1's context holds num_tokens query tokens");
+    let mut stage = |f: &dyn Fn(&mut Batch)| {
+        let mut b = good.clone();
+        f(&mut b);
+        common.stage(&b.input()).map(|_| ())
+    };
+    macro_rules! field {
+        ($name:literal) => {
+            |e: &AttentionError| matches!(e, AttentionError::InvalidInput { field: $name, .. })
+        };
+    }
+    let cases: Vec<ErrorCase> = vec![
+        (
+            "no query_start_loc",
+            stage(&|b| b.qsl.clear()),
+            field!("query_start_loc"),
+            words(&["`query_start_loc`", "num_reqs + 1 entries, got 0"]),
+        ),
+        (
+            "more requests than max_num_seqs",
+            stage(&|b| b.qsl = vec![0, 1, 2, 3, 4, 5]),
+            field!("num_reqs"),
+            words(&["5 requests (3 padded) exceed max_num_seqs 4"]),
+        ),
+        (
+            "more padded requests than max_num_seqs",
+            stage(&|b| b.reqs_padded = 5),
+            field!("num_reqs"),
+            words(&["3 requests (5 padded) exceed max_num_seqs 4"]),
+        ),
+        (
+            "more padded tokens than max_num_batched_tokens",
+            stage(&|b| b.tokens_padded = 33),
+            field!("num_tokens"),
+            vec![format!("{nt} tokens (33 padded) exceed max_num_batched_tokens 32")],
+        ),
+        (
+            "padded tokens below the real ones",
+            stage(&|b| b.tokens_padded = 1),
+            field!("num_tokens_padded"),
+            vec![format!("1 padded tokens, below the {nt} real ones")],
+        ),
+        (
+            "padded requests below the real ones",
+            stage(&|b| b.reqs_padded = 2),
+            field!("num_reqs_padded"),
+            words(&["2 padded requests, below the 3 real ones"]),
+        ),
+        (
+            "seq_lens too short",
+            stage(&|b| {
+                b.seq_lens.pop();
+            }),
+            field!("seq_lens"),
+            words(&["`seq_lens`", "holds 2 entries, expected 3"]),
+        ),
+        (
+            "slot_mapping too long",
+            stage(&|b| b.slots.push(0)),
+            field!("slot_mapping"),
+            vec![format!("holds {} entries, expected {nt}", nt + 1)],
+        ),
+        (
+            "table_rows too short",
+            stage(&|b| {
+                b.table_rows.pop();
+            }),
+            field!("table_rows"),
+            words(&["holds 2 entries, expected 3"]),
+        ),
+        (
+            "query_start_loc not starting at 0",
+            stage(&|b| b.qsl[0] = 1),
+            field!("query_start_loc"),
+            vec![format!("must run from 0 to num_tokens {nt}, runs from 1 to {nt}")],
+        ),
+        (
+            "query_start_loc not ending at num_tokens",
+            stage(&|b| b.qsl[3] -= 1),
+            field!("query_start_loc"),
+            vec![format!("must run from 0 to num_tokens {nt}, runs from 0 to {}", nt - 1)],
+        ),
+        (
+            "query_start_loc decreasing",
+            stage(&|b| b.qsl[1] = -1),
+            field!("query_start_loc"),
+            words(&["decreases at request 0 (0 → -1)"]),
+        ),
+        (
+            // Request 1 runs past the last token (then the offsets come back down to num_tokens),
+            // with a seq len and positions that fit its claimed tokens: refused, not read past the
+            // end of the positions.
+            "query_start_loc passing num_tokens",
+            stage(&|b| {
+                let (n, s1) = (b.positions.len() as i32, b.seq_lens[1]);
+                b.qsl[2] = n + 1;
+                for t in 1..n as usize {
+                    b.positions[t] = s1 - n + t as i32 - 1;
+                }
+            }),
+            field!("query_start_loc"),
+            vec![format!("request 1 ends at token {}, past num_tokens {nt}", nt + 1)],
+        ),
+        (
+            "negative seq len",
+            stage(&|b| b.seq_lens[0] = -1),
+            field!("seq_lens"),
+            words(&["request 0: seq len -1 must lie in [query len 1, max_model_len 1024]"]),
+        ),
+        (
+            "seq len below the query length",
+            stage(&|b| b.seq_lens[2] = q2 as i32 - 1),
+            field!("seq_lens"),
+            vec![format!("request 2: seq len {} must lie in [query len {q2}, max_model_len 1024]", q2 - 1)],
+        ),
+        (
+            "seq len past max_model_len",
+            stage(&|b| b.seq_lens[1] = 1025),
+            field!("seq_lens"),
+            words(&["request 1: seq len 1025 must lie in [query len 1, max_model_len 1024]"]),
+        ),
+        (
+            "negative position",
+            stage(&|b| b.positions[1] = -1),
+            field!("positions"),
+            words(&["token 1: negative position -1"]),
+        ),
+        (
+            "position off its request's context",
+            stage(&|b| b.positions[nt - 1] += 1),
+            field!("positions"),
+            vec![format!(
+                "token {} (request 2, query {}): position {}, seq lens imply {}",
+                nt - 1,
+                q2 - 1,
+                good.positions[nt - 1] + 1,
+                good.positions[nt - 1]
+            )],
+        ),
+        (
+            "slot below -1",
+            stage(&|b| b.slots[2] = -2),
+            field!("slot_mapping"),
+            words(&["token 2: slot -2 (only -1 marks no slot)"]),
+        ),
+        (
+            "decode after a prefill",
+            stage(&|b| {
+                // Requests: decode, prefill, then the second decode moved last.
+                let q = |b: &Batch, r: usize| b.qsl[r + 1] - b.qsl[r];
+                let (q0, q1) = (q(b, 0), q(b, 1));
+                b.qsl = vec![0, q0, q0 + q2 as i32, q0 + q2 as i32 + q1];
+                b.seq_lens.swap(1, 2);
+                b.table_rows.swap(1, 2);
+                let tail: Vec<i32> = b.positions.drain(2..).collect();
+                let decode = b.positions.pop().expect("decode token");
+                b.positions.extend(tail);
+                b.positions.push(decode);
+                let tail: Vec<i32> = b.slots.drain(2..).collect();
+                let slot = b.slots.pop().expect("decode slot");
+                b.slots.extend(tail);
+                b.slots.push(slot);
+            }),
+            field!("query_start_loc"),
+            words(&["request 2 is a decode after the first prefill 1: decodes must come first"]),
+        ),
+        (
+            "release of the null row",
+            common.release_table_row(4),
+            field!("release_table_row"),
+            words(&["row 4 outside [0, max_num_seqs 4)"]),
+        ),
+    ];
+    check_errors(cases);
+    assert_eq!(common.layout().expect("still staged"), staged, "a rejected step changes nothing");
+}
+
+/// Every rejected builder setting, common metadata of another size class, and short top-k input:
+/// the variant, and a message naming the setting or argument and what it must be.
+fn every_rejected_builder_config_or_common_names_it(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let mut rng = Rng(8);
+    let cfg = config(32, 4, 1024, 0, 64, 256);
+    let with = |f: &dyn Fn(&mut holdfast_attention::CommonConfig)| {
+        let mut c = cfg;
+        f(&mut c);
+        c
+    };
+    let (fewer_tokens, fewer_seqs, longer) = (
+        with(&|c| c.max_num_batched_tokens = 16),
+        with(&|c| c.max_num_seqs = 2),
+        with(&|c| c.max_model_len = 129 * 128),
+    );
+    let mut common = CommonAttentionMetadata::new(dev, cfg).expect("common");
+    let c128a = C128aBuilder::new(dev, &cfg).expect("c128a");
+    let c4a = C4aBuilder::new(dev, &cfg, 8).expect("c4a");
+    let topk = dev.alloc_zeroed::<i32>("t.topk", 32 * 8, true).expect("topk");
+    let c128a_unstaged = c128a.build(&s, &common).map(|_| ());
+    let c4a_unstaged = c4a.build(&s, &common, &topk.view()).map(|_| ());
+    let l = common.stage(&random_batch(&mut rng, &cfg, 3, 0, 1, 1).input()).expect("stage");
+    assert_eq!(l.num_decode_tokens, 4);
+    let short_topk = topk.prefix(4 * 8 - 1).expect("prefix");
+    let config_error: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Config(_));
+    let mismatch: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Mismatch(_));
+    let big = i32::MAX as usize + 1;
+    let cases: Vec<ErrorCase> = vec![
+        (
+            "compress ratio 8",
+            LayerKind::from_compress_ratio(8).map(|_| ()),
+            |e| matches!(e, AttentionError::UnsupportedCompressRatio(8)),
+            words(&["compress ratio 8", "0/1 (SWA only), 4 (c4a) or 128 (c128a)"]),
+        ),
+        (
+            "SWA window 0",
+            SwaBuilder::new(dev, &cfg, 0).map(|_| ()),
+            config_error,
+            words(&["SWA window 0 must lie in [1, i32::MAX]"]),
+        ),
+        (
+            "SWA window past i32",
+            SwaBuilder::new(dev, &cfg, big).map(|_| ()),
+            config_error,
+            words(&["SWA window 2147483648 must lie in [1, i32::MAX]"]),
+        ),
+        (
+            "SWA lists past 32-bit offsets",
+            SwaBuilder::new(dev, &cfg, 1 << 27).map(|_| ()),
+            config_error,
+            words(&["attn.swa.ragged: 32 × 134217728 ragged entries overflow the 32-bit offsets"]),
+        ),
+        (
+            "c128a block size",
+            C128aBuilder::new(dev, &with(&|c| c.kv_table.block_size = 100)).map(|_| ()),
+            config_error,
+            words(&["KV block size 100 is not a multiple of 128"]),
+        ),
+        (
+            "c128a lists past 32-bit offsets",
+            C128aBuilder::new(dev, &with(&|c| c.max_model_len = 1 << 40)).map(|_| ()),
+            config_error,
+            words(&["attn.c128a.ragged: 32 × 8589934592 ragged entries overflow the 32-bit offsets"]),
+        ),
+        (
+            "c4a block size",
+            C4aBuilder::new(dev, &with(&|c| c.kv_table.block_size = 102), 8).map(|_| ()),
+            config_error,
+            words(&["KV block size 102 is not a multiple of 4"]),
+        ),
+        (
+            "c4a top-k 0",
+            C4aBuilder::new(dev, &cfg, 0).map(|_| ()),
+            config_error,
+            words(&["index_topk must be positive"]),
+        ),
+        (
+            "c4a entries past what a build counts",
+            C4aBuilder::new(dev, &cfg, 1 << 25).map(|_| ()),
+            config_error,
+            words(&["max_num_batched_tokens 32 × index_topk 33554432 exceeds the 1073741823 entries"]),
+        ),
+        (
+            "ragged capacity overflowing usize",
+            holdfast_attention::ragged_capacity("the lists", 2, usize::MAX).map(|_| ()),
+            config_error,
+            vec![format!("the lists: 2 × {} ragged entries overflow the 32-bit offsets", usize::MAX)],
+        ),
+        (
+            "ragged capacity past i32",
+            holdfast_attention::ragged_capacity("the lists", 1, big).map(|_| ()),
+            config_error,
+            words(&["the lists: 1 × 2147483648 ragged entries overflow the 32-bit offsets"]),
+        ),
+        (
+            "SWA builder for fewer tokens",
+            SwaBuilder::new(dev, &fewer_tokens, 128).and_then(|b| b.build(&s, &common)).map(|_| ()),
+            mismatch,
+            words(&["common metadata sized for 32 tokens / 4 requests, SWA builder for 16 / 4"]),
+        ),
+        (
+            "SWA builder for fewer requests",
+            SwaBuilder::new(dev, &fewer_seqs, 128).and_then(|b| b.build(&s, &common)).map(|_| ()),
+            mismatch,
+            words(&["common metadata sized for 32 tokens / 4 requests, SWA builder for 32 / 2"]),
+        ),
+        (
+            "c128a builder for fewer tokens",
+            C128aBuilder::new(dev, &fewer_tokens).and_then(|b| b.build(&s, &common)).map(|_| ()),
+            mismatch,
+            words(&["common metadata sized for 32 tokens / width 128, c128a builder for 16 / 128"]),
+        ),
+        (
+            "c128a builder of wider rows",
+            C128aBuilder::new(dev, &longer).and_then(|b| b.build(&s, &common)).map(|_| ()),
+            mismatch,
+            words(&["common metadata sized for 32 tokens / width 128, c128a builder for 32 / 256"]),
+        ),
+        (
+            "c4a builder for fewer tokens",
+            C4aBuilder::new(dev, &fewer_tokens, 8).and_then(|b| b.build(&s, &common, &topk.view())).map(|_| ()),
+            mismatch,
+            words(&["common metadata sized for 32 tokens, c4a builder for 16"]),
+        ),
+        (
+            "c4a top-k indices short of the decode rows",
+            c4a.build(&s, &common, &short_topk).map(|_| ()),
+            mismatch,
+            words(&["top-k indices hold 31 entries, [4, 8] needs 32"]),
+        ),
+        ("c128a build before staging", c128a_unstaged, |e| matches!(e, AttentionError::NotStaged), words(&["stage"])),
+        ("c4a build before staging", c4a_unstaged, |e| matches!(e, AttentionError::NotStaged), words(&["stage"])),
+    ];
+    check_errors(cases);
+}
+
 fn views_depend_only_on_the_padded_row_count(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(99);
@@ -289,6 +614,8 @@ holdfast_hal::device_suite!(
     builders_match_the_reference_on_random_batches,
     uniform_padded_decode_rows_are_all_decode_rows_of_length_zero,
     bad_inputs_are_errors_before_any_kernel,
+    every_bad_step_input_names_the_field_and_the_bound,
+    every_rejected_builder_config_or_common_names_it,
     views_depend_only_on_the_padded_row_count,
     many_rows_are_built_past_what_the_device_holds_at_once,
 );

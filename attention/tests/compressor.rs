@@ -8,7 +8,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::sched::*;
-use common::Rng;
+use common::{check_errors, words, ErrorCase, Rng};
 use holdfast_attention::{
     AttentionError, CommonAttentionMetadata, CommonConfig, Compressor, CompressorWeights, StepLayout,
 };
@@ -270,10 +270,118 @@ fn bad_configs_and_views_are_errors(dev: &Device) {
     assert!(matches!(e, AttentionError::Mismatch(_)), "{e}");
 }
 
+/// Every rejected compressor setting and short weight view: the variant, and a message naming
+/// the setting or view and what it must be.
+fn every_rejected_compressor_setting_or_view_names_it(dev: &Device) {
+    let cfg = small_config(16, 2, 128, 16, 8);
+    let new =
+        |cfg: &CommonConfig, ratio, dim, rope, theta, eps| Compressor::new(dev, cfg, ratio, dim, rope, theta, eps);
+    let shape: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "Compressor::new", .. });
+    let config_error: fn(&AttentionError) -> bool =
+        |e| matches!(e, AttentionError::Config(m) if m.starts_with("Compressor::new"));
+    let run_shape: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "Compressor::run", .. });
+    let mut cases: Vec<ErrorCase> = vec![
+        (
+            "ratio 3",
+            new(&cfg, 3, 64, 16, 1e4, 1e-6).map(|_| ()),
+            shape,
+            words(&["ratio 3 is not a DeepSeek-V4 compress ratio (4 or 128)"]),
+        ),
+        ("dim 0", new(&cfg, 4, 0, 0, 1e4, 1e-6).map(|_| ()), shape, words(&["dim 0 must lie in [1, 2^31)"])),
+        (
+            "dim 2^31",
+            new(&cfg, 4, 1 << 31, 0, 1e4, 1e-6).map(|_| ()),
+            shape,
+            words(&["dim 2147483648 must lie in [1, 2^31)"]),
+        ),
+        (
+            "odd rope_dim",
+            new(&cfg, 4, 64, 15, 1e4, 1e-6).map(|_| ()),
+            shape,
+            words(&["rope_dim 15 must be even and at most dim 64"]),
+        ),
+        (
+            "rope_dim past dim",
+            new(&cfg, 4, 64, 66, 1e4, 1e-6).map(|_| ()),
+            shape,
+            words(&["rope_dim 66 must be even and at most dim 64"]),
+        ),
+        (
+            "dim past shared memory",
+            new(&cfg, 4, 12290, 0, 1e4, 1e-6).map(|_| ()),
+            shape,
+            words(&["dim 12290 exceeds the 12288 channels"]),
+        ),
+        (
+            "negative rope_theta",
+            new(&cfg, 4, 64, 16, -1.0, 1e-6).map(|_| ()),
+            shape,
+            words(&["rope_theta -1 must be positive"]),
+        ),
+        (
+            "NaN rope_theta",
+            new(&cfg, 4, 64, 16, f32::NAN, 1e-6).map(|_| ()),
+            shape,
+            words(&["rope_theta NaN must be positive"]),
+        ),
+        ("negative eps", new(&cfg, 4, 64, 16, 1e4, -1.0).map(|_| ()), shape, words(&["eps -1 non-negative"])),
+        (
+            "block size not a multiple of the ratio",
+            new(&cfg, 128, 64, 0, 1e4, 1e-6).map(|_| ()),
+            config_error,
+            words(&["KV block size 16 is not a multiple of ratio 128"]),
+        ),
+        (
+            "state rows past 32 bits",
+            new(&small_config(16, 2, 128, 16, 1 << 30), 4, 64, 16, 1e4, 1e-6).map(|_| ()),
+            config_error,
+            words(&["1073741824 blocks × 16 tokens × 2·64 state floats overflow"]),
+        ),
+    ];
+    let comp = new(&cfg, 4, 64, 16, 1e4, 1e-6).expect("compressor");
+    let s = dev.create_stream().expect("stream");
+    let mut common = CommonAttentionMetadata::new(dev, cfg).expect("common");
+    let mut rng = Rng(3);
+    let mut reqs = requests(&mut rng, &cfg, &[10]);
+    let step = plan(&mut rng, &cfg, &mut reqs, 8, 0).expect("step");
+    let t = common.stage(&step.batch.input()).expect("stage").num_tokens_padded;
+    let f = |n| dev.alloc_zeroed::<f32>("t.f", n, true).expect("f32");
+    let h = |n| dev.alloc_zeroed::<bf16>("t.h", n, true).expect("bf16");
+    let (ape, norm, state, cache, kv) = (f(4 * 64), h(64), f(comp.state_len()), h(comp.cache_len()), f(t * 128));
+    let (ape_v, norm_v) = (ape.view(), norm.view());
+    let (short_ape, short_norm) = (ape.prefix(4 * 64 - 1).expect("ape"), norm.prefix(63).expect("norm"));
+    let run = |ape, norm| {
+        let w = CompressorWeights { ape, norm };
+        comp.run(&s, &common, &kv.view(), &w, &state.view(), &cache.view())
+    };
+    cases.push((
+        "short ape",
+        run(&short_ape, &norm_v),
+        run_shape,
+        words(&["ape holds 255 elements, [ratio 4, 64] needs 256"]),
+    ));
+    cases.push(("short norm", run(&ape_v, &short_norm), run_shape, words(&["norm holds 63 elements, [64] needs 64"])));
+    let other = new(&small_config(16, 2, 128, 16, 9), 4, 64, 16, 1e4, 1e-6).expect("compressor");
+    let w = CompressorWeights { ape: &ape_v, norm: &norm_v };
+    cases.push((
+        "common metadata of another KV table",
+        other.run(&s, &common, &kv.view(), &w, &state.view(), &cache.view()),
+        |e| matches!(e, AttentionError::Mismatch(_)),
+        words(&[
+            "Compressor::run: common metadata's KV table",
+            "num_blocks: 8",
+            "compressor built for",
+            "num_blocks: 9",
+        ]),
+    ));
+    check_errors(cases);
+}
+
 holdfast_hal::device_suite!(
     ratio4_multi_step_schedules_match_the_definition,
     ratio128_chunked_prefill_and_decodes_match_the_definition,
     full_rope_and_no_rope_entries_match,
+    every_rejected_compressor_setting_or_view_names_it,
     bad_configs_and_views_are_errors
 );
 

@@ -12,7 +12,7 @@ mod common;
 use std::cell::RefCell;
 
 use common::sched::*;
-use common::{token, Batch, Rng, POISON};
+use common::{check_errors, token, words, Batch, ErrorCase, Rng, POISON};
 use holdfast_attention::indexer::{topk_launch_config, TOPK_MAX, TOPK_SAMPLES};
 use holdfast_attention::{
     indexer_max_compressed, indexer_source, AttentionError, C4aBuilder, CommonAttentionMetadata, CommonConfig,
@@ -400,6 +400,122 @@ fn bad_configs_and_views_are_errors(dev: &Device) {
     assert!(matches!(e, AttentionError::Mismatch(_)), "{e}");
 }
 
+/// Every rejected indexer setting and common metadata of another size class: the variant, and a
+/// message naming the setting (or the sizes that disagree) and what it must be.
+fn every_rejected_indexer_setting_or_common_names_it(dev: &Device) {
+    use holdfast_attention::indexer::TOPK_MAX_SEGMENTS;
+    let cfg = small_config(16, 2, 128, 16, 8);
+    let with = |f: &dyn Fn(&mut CommonConfig)| {
+        let mut c = cfg;
+        f(&mut c);
+        c
+    };
+    let new = |c: &CommonConfig, heads, dim, topk| Indexer::new(dev, c, heads, dim, topk).map(|_| ());
+    let shape: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "Indexer::new", .. });
+    let config_error: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Config(_));
+    let segments = |n| Indexer::new(dev, &cfg, 4, 64, 8).and_then(|i| i.with_topk_segments(dev, n)).map(|_| ());
+    let s = dev.create_stream().expect("stream");
+    let idx = Indexer::new(dev, &cfg, 4, 64, 8).expect("indexer");
+    let select = |c: CommonConfig| {
+        let common = CommonAttentionMetadata::new(dev, c).expect("common");
+        let v = |n| dev.alloc_zeroed::<bf16>("t.bf16", n, true).expect("bf16");
+        let (w, out) =
+            (dev.alloc_zeroed::<f32>("t.w", 64, true).expect("w"), dev.alloc_zeroed::<i32>("t.o", 8, true).expect("o"));
+        idx.select(&s, &common, &v(256).view(), &w.view(), &v(64).view(), 1.0, &out.view())
+    };
+    let mismatch: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Mismatch(_));
+    let cases: Vec<ErrorCase> = vec![
+        ("no heads", new(&cfg, 0, 64, 8), shape, words(&["heads 0 and head_dim 64 must be positive"])),
+        ("no head_dim", new(&cfg, 4, 0, 8), shape, words(&["heads 4 and head_dim 0 must be positive"])),
+        (
+            "heads past shared memory",
+            new(&cfg, 64, 192, 8),
+            shape,
+            words(&["64 heads × 192 (+ 64 weights + 4 K rows) exceed the 12288 floats"]),
+        ),
+        (
+            // The K rows alone overflow usize: an error, not an arithmetic overflow.
+            "head_dim past usize",
+            new(&cfg, 1, usize::MAX / 2, 8),
+            shape,
+            vec![format!("1 heads × {} (+ 1 weights + 4 K rows) exceed", usize::MAX / 2)],
+        ),
+        ("top-k 0", new(&cfg, 4, 64, 0), config_error, vec![format!("index_topk 0 must lie in [1, {TOPK_MAX}]")]),
+        (
+            "top-k past the maximum",
+            new(&cfg, 4, 64, TOPK_MAX + 1),
+            config_error,
+            vec![format!("index_topk {} must lie in [1, {TOPK_MAX}]", TOPK_MAX + 1)],
+        ),
+        (
+            "block size not a multiple of 4",
+            new(&with(&|c| c.kv_table.block_size = 18), 4, 64, 8),
+            config_error,
+            words(&["Indexer::new: KV block size 18 is not a multiple of 4"]),
+        ),
+        (
+            "K cache past 32 bits",
+            new(&with(&|c| c.kv_table.num_blocks = 1 << 30), 4, 64, 8),
+            config_error,
+            words(&["Indexer::new: the key cache (1073741824 blocks × 4 entries × head_dim 64)", "2^32"]),
+        ),
+        (
+            "compressed width past i32",
+            new(&with(&|c| c.max_model_len = 1 << 34), 4, 64, 8),
+            config_error,
+            words(&["Indexer::new: max_model_len 17179869184 gives", "past i32"]),
+        ),
+        (
+            "workspace overflowing usize",
+            new(
+                &with(&|c| {
+                    c.max_num_batched_tokens = 1 << 40;
+                    c.max_model_len = (1 << 33) - 4;
+                }),
+                4,
+                64,
+                8,
+            ),
+            config_error,
+            words(&["Indexer::new: workspace [1099511627776, 2147483647] overflows"]),
+        ),
+        (
+            "no top-k segment",
+            segments(0),
+            config_error,
+            vec![format!("0 segments; 1 to {TOPK_MAX_SEGMENTS} are supported")],
+        ),
+        (
+            "too many top-k segments",
+            segments(TOPK_MAX_SEGMENTS + 1),
+            config_error,
+            vec![format!("{} segments; 1 to {TOPK_MAX_SEGMENTS} are supported", TOPK_MAX_SEGMENTS + 1)],
+        ),
+        (
+            "common metadata of more tokens",
+            select(with(&|c| c.max_num_batched_tokens = 32)),
+            mismatch,
+            words(&[
+                "Indexer::select: common metadata (32 tokens, max_model_len 128",
+                "indexer (16 tokens, 32 compressed",
+            ]),
+        ),
+        (
+            "common metadata of longer sequences",
+            select(with(&|c| c.max_model_len = 256)),
+            mismatch,
+            words(&["common metadata (16 tokens, max_model_len 256", "indexer (16 tokens, 32 compressed entries"]),
+        ),
+        (
+            "common metadata of another KV table",
+            select(with(&|c| c.kv_table.num_blocks = 9)),
+            mismatch,
+            words(&["num_blocks: 9", "does not fit the indexer", "num_blocks: 8"]),
+        ),
+    ];
+    check_errors(cases);
+}
+
 /// Compressor (indexer K, ratio 4) + indexer + c4a build, captured once at a padded decode size
 /// and replayed over fresh steps: each replay equals an eager run from the same state bit for bit.
 fn compressor_indexer_and_c4a_build_replay_equals_eager(dev: &Device) {
@@ -723,6 +839,7 @@ holdfast_hal::device_suite!(
     real_valued_logits_select_a_valid_top_k,
     a_row_does_not_depend_on_the_rest_of_the_batch,
     bad_configs_and_views_are_errors,
+    every_rejected_indexer_setting_or_common_names_it,
     compressor_indexer_and_c4a_build_replay_equals_eager,
     heavy_ties_nans_and_signed_zeros_give_the_sorted_order_bit_for_bit,
     a_top_k_row_does_not_depend_on_the_rest_of_the_batch

@@ -2,8 +2,12 @@
 //! inputs with poisoned outputs, batch invariance, graph replay over a growing sequence, and
 //! construction errors. Runs on `cpu` always and on `cuda:0` when present.
 
+mod common;
+
+use common::{check_errors, words, ErrorCase};
 use holdfast_attention::{
-    AttentionKernel, RaggedKv, SparseAttention, TENSOR_CORE_HEAD_DIMS, WG_DEFAULT_SPLIT, WG_HEAD_DIM, WG_SPLITS,
+    AttentionError, AttentionKernel, RaggedKv, SparseAttention, MAX_CHUNKS_PER_LANE, TENSOR_CORE_HEAD_DIMS,
+    WG_DEFAULT_SPLIT, WG_HEAD_DIM, WG_SPLITS,
 };
 use holdfast_hal::{bf16, Buffer, Device, Stream};
 
@@ -485,6 +489,108 @@ fn unsupported_shapes_are_errors_at_construction(dev: &Device) {
     }
 }
 
+/// Every rejected shape at construction and every view `insert` and `attend` refuse: a `Shape`
+/// error of the operation, whose message names the argument or view and what it must hold.
+fn every_rejected_shape_or_view_names_it(dev: &Device) {
+    let warp = dev.info().warp_size.max(32) as usize;
+    let top = MAX_CHUNKS_PER_LANE as usize * warp;
+    let new: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "SparseAttention::new", .. });
+    let insert: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "kv_insert", .. });
+    let attend: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "sparse_attention", .. });
+    let mut cases: Vec<ErrorCase> =
+        vec![("no heads", SparseAttention::new(dev, 0, 64).map(|_| ()), new, words(&["heads must be at least 1"]))];
+    for d in [0, warp + warp / 2, top + warp] {
+        cases.push((
+            "unsupported head_dim",
+            SparseAttention::new(dev, 2, d).map(|_| ()),
+            new,
+            vec![format!("head_dim {d} is not supported: it must be a positive multiple of {warp} up to {top}")],
+        ));
+    }
+    let (h, d) = (2usize, 64usize);
+    let k = SparseAttention::with_kernel(dev, h, d, AttentionKernel::Portable).expect("kernel");
+    let s = dev.create_stream().expect("stream");
+    let bf = |n| dev.alloc_zeroed::<bf16>("t.bf16", n, true).expect("bf16");
+    let int = |v: &[i32]| {
+        let b = dev.alloc_zeroed::<i32>("t.i32", v.len(), true).expect("i32");
+        s.copy_from_host(v, &b.view()).expect("upload");
+        b
+    };
+    let (cache, odd_cache, q, out, sink) = (
+        bf(4 * d),
+        bf(4 * d + 1),
+        bf(2 * h * d),
+        bf(2 * h * d),
+        dev.alloc_zeroed::<f32>("t.sink", h, true).expect("sink"),
+    );
+    let (idx, indptr, short_indptr, empty) = (int(&[0, 1, 2]), int(&[0, 1, 3]), int(&[0]), int(&[0]));
+    let (slots, kv) = (int(&[0, 1, 2]), bf(3 * d - 1));
+    cases.push((
+        "short kv",
+        k.insert(&s, &kv.view(), &slots.view(), &cache.view()),
+        insert,
+        vec![format!("kv holds {} elements, 3 rows × {d} need {}", 3 * d - 1, 3 * d)],
+    ));
+    cases.push((
+        "cache not whole rows",
+        k.insert(&s, &bf(3 * d).view(), &slots.view(), &odd_cache.view()),
+        insert,
+        vec![format!("cache length {} is not a multiple of head_dim {d}", 4 * d + 1)],
+    ));
+    let (cv, ocv, iv, pv, spv) = (cache.view(), odd_cache.view(), idx.view(), indptr.view(), short_indptr.view());
+    let main = RaggedKv { cache: &cv, indices: &iv, indptr: &pv };
+    let odd_main = RaggedKv { cache: &ocv, indices: &iv, indptr: &pv };
+    let short = RaggedKv { cache: &cv, indices: &iv, indptr: &spv };
+    let empty_indptr = empty.prefix(0).expect("empty view");
+    let no_rows = RaggedKv { cache: &cv, indices: &iv, indptr: &empty_indptr };
+    let (qv, ov, sv) = (q.view(), out.view(), sink.view());
+    let short_q = q.prefix(2 * h * d - 1).expect("q");
+    let short_out = out.prefix(2 * h * d - 2).expect("out");
+    let short_sink = sink.prefix(h - 1).expect("sink");
+    let cells = 2 * h * d;
+    let run = |q: &holdfast_hal::View<bf16>, main: &RaggedKv<'_>, extra: Option<&RaggedKv<'_>>, sink, out| {
+        k.attend(&s, q, main, extra, sink, out, 0.1)
+    };
+    cases.push(("no indptr", run(&qv, &no_rows, None, &sv, &ov), attend, words(&["main.indptr is empty"])));
+    cases.push((
+        "short q",
+        run(&short_q, &main, None, &sv, &ov),
+        attend,
+        vec![format!("q/out hold {}/{cells} elements, 2 rows × {h} heads × {d} need {cells}", cells - 1)],
+    ));
+    cases.push((
+        "short out",
+        run(&qv, &main, None, &sv, &short_out),
+        attend,
+        vec![format!("q/out hold {cells}/{} elements, 2 rows × {h} heads × {d} need {cells}", cells - 2)],
+    ));
+    cases.push((
+        "short sink",
+        run(&qv, &main, None, &short_sink, &ov),
+        attend,
+        vec![format!("sink holds {} elements, {h} heads need one each", h - 1)],
+    ));
+    cases.push((
+        "main cache not whole rows",
+        run(&qv, &odd_main, None, &sv, &ov),
+        attend,
+        vec![format!("main cache length {} is not a multiple of head_dim {d}", 4 * d + 1)],
+    ));
+    cases.push((
+        "extra cache not whole rows",
+        run(&qv, &main, Some(&odd_main), &sv, &ov),
+        attend,
+        vec![format!("extra cache length {} is not a multiple of head_dim {d}", 4 * d + 1)],
+    ));
+    cases.push((
+        "extra indptr short of the rows",
+        run(&qv, &main, Some(&short), &sv, &ov),
+        attend,
+        words(&["extra.indptr holds 1 elements, 2 rows need 3"]),
+    ));
+    check_errors(cases);
+}
+
 holdfast_hal::device_suite!(
     attention_matches_its_f64_definition,
     the_portable_kernel_matches_too_and_tensor_cores_are_picked_where_they_fit,
@@ -492,6 +598,7 @@ holdfast_hal::device_suite!(
     a_row_is_the_same_alone_and_in_a_padded_batch_of_256,
     a_captured_decode_step_replays_a_growing_sequence_like_eager,
     unsupported_shapes_are_errors_at_construction,
+    every_rejected_shape_or_view_names_it,
     the_warpgroup_kernel_matches_f64_and_is_batch_invariant_where_the_device_has_it,
 );
 

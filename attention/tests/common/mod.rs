@@ -5,8 +5,8 @@
 pub mod sched;
 
 use holdfast_attention::{
-    c128a_max_compressed, BlockTableConfig, BlockTableUpdates, C128aBuilder, C4aBuilder, CommonAttentionMetadata,
-    CommonConfig, StepInput, StepLayout, SwaBuilder, TableKind, C128A_RATIO, C4A_RATIO,
+    c128a_max_compressed, AttentionError, BlockTableConfig, BlockTableUpdates, C128aBuilder, C4aBuilder,
+    CommonAttentionMetadata, CommonConfig, StepInput, StepLayout, SwaBuilder, TableKind, C128A_RATIO, C4A_RATIO,
 };
 use holdfast_hal::{Buffer, Device, Stream};
 
@@ -48,6 +48,31 @@ pub fn config(
         // Room for every request's whole rows in one step (tests write them at once).
         max_table_updates: max_seqs * (ws + wk),
     }
+}
+
+/// One rejected call of an error table: what it is, its result, the variant it must be, and the
+/// words its message must contain (the field or argument at fault and what is allowed).
+pub type ErrorCase = (&'static str, holdfast_attention::Result<()>, fn(&AttentionError) -> bool, Vec<String>);
+
+/// Checks every case of an error table: an error of the expected variant whose message holds each
+/// of its words.
+pub fn check_errors(cases: Vec<ErrorCase>) {
+    for (what, result, variant, words) in cases {
+        let e = match result {
+            Err(e) => e,
+            Ok(()) => panic!("{what}: expected an error"),
+        };
+        assert!(variant(&e), "{what}: unexpected variant {e:?}");
+        let msg = e.to_string();
+        for w in &words {
+            assert!(msg.contains(w.as_str()), "{what}: `{msg}` should mention `{w}`");
+        }
+    }
+}
+
+/// The words of an [`ErrorCase`].
+pub fn words(w: &[&str]) -> Vec<String> {
+    w.iter().map(|s| (*s).to_owned()).collect()
 }
 
 /// One step's host inputs, owned. `swa_bt` / `kv_bt` are the spec's full-width per-request rows
