@@ -251,6 +251,90 @@ mod tests {
         assert_eq!(a.alloc::<f32>("x", 1).err(), Some(GraphError::DuplicateBuffer { buffer: "x".into() }));
     }
 
+    /// Every rejected allocation or lookup, through each entry point: the variant, and the words
+    /// its message must contain (the buffer at fault and what the arena has or needs).
+    #[test]
+    fn every_rejected_allocation_or_lookup_names_the_buffer() {
+        use GraphError as E;
+        let mut a = arena();
+        a.alloc::<f32>("x", 4).expect("alloc");
+        a.alloc::<i32>("idx", 2).expect("alloc");
+        let no_workspace = a.workspace().map(|_| ());
+        let no_workspace_slice = a.workspace_slice(0, 1).map(|_| ());
+        a.alloc_workspace(16).expect("workspace");
+        let mut cases: Vec<crate::error::ErrorCase> = vec![
+            (
+                "second workspace",
+                a.alloc_workspace(8).map(|_| ()),
+                |e| matches!(e, E::DuplicateBuffer { buffer } if buffer == WORKSPACE),
+                &["already has a buffer named `workspace`"],
+            ),
+            (
+                "duplicate input",
+                a.alloc_input::<i32>("idx", 2).map(|_| ()),
+                |e| matches!(e, E::DuplicateBuffer { buffer } if buffer == "idx"),
+                &["`idx`"],
+            ),
+            (
+                "workspace before it is allocated",
+                no_workspace,
+                |e| matches!(e, E::UnknownBuffer { buffer, .. } if buffer == WORKSPACE),
+                &["no buffer named `workspace`", "it has: x, idx"],
+            ),
+            (
+                "workspace slice before it is allocated",
+                no_workspace_slice,
+                |e| matches!(e, E::UnknownBuffer { buffer, .. } if buffer == WORKSPACE),
+                &["no buffer named `workspace`", "it has: x, idx"],
+            ),
+            (
+                "bytes of an unknown buffer",
+                a.bytes("nope").map(|_| ()),
+                |e| matches!(e, E::UnknownBuffer { buffer, .. } if buffer == "nope"),
+                &["no buffer named `nope`", "it has: x, idx, workspace"],
+            ),
+            (
+                "view of an unknown buffer",
+                a.view::<f32>("y", 1).map(|_| ()),
+                |e| matches!(e, E::UnknownBuffer { buffer, .. } if buffer == "y"),
+                &["no buffer named `y`", "it has: x, idx, workspace"],
+            ),
+            (
+                "view with the wrong element type",
+                a.view::<i32>("x", 1).map(|_| ()),
+                |e| matches!(e, E::BufferTypeMismatch { actual: DType::F32, requested: DType::I32, .. }),
+                &["buffer `x` holds f32 elements, not i32"],
+            ),
+            (
+                "view past the buffer",
+                a.view::<f32>("x", 5).map(|_| ()),
+                |e| matches!(e.hal(), Some(holdfast_hal::HalError::InvalidView { buffer, len: 5, .. }) if buffer == "x"),
+                &["buffer `x` of 4 elements"],
+            ),
+            (
+                "workspace slice past the workspace",
+                a.workspace_slice(10, 7).map(|_| ()),
+                |e| matches!(e.hal(), Some(holdfast_hal::HalError::InvalidView { offset: 10, len: 7, .. })),
+                &["[10, 10+7)", "buffer `workspace` of 16 elements"],
+            ),
+        ];
+        a.lock();
+        cases.push((
+            "input after lock",
+            a.alloc_input::<f32>("late input", 4).map(|_| ()),
+            |e| matches!(e, E::ArenaLocked { buffer } if buffer == "late input"),
+            &["locked", "`late input`", "allocate every graph-visible buffer before locking"],
+        ));
+        cases.push((
+            "workspace after lock",
+            a.alloc_workspace(4).map(|_| ()),
+            |e| matches!(e, E::ArenaLocked { buffer } if buffer == WORKSPACE),
+            &["locked", "`workspace`"],
+        ));
+        crate::error::check_errors(cases);
+        assert_eq!(a.len(), 3, "no rejected allocation added a buffer");
+    }
+
     #[test]
     fn bytes_are_counted_per_name_and_in_total() {
         let mut a = arena();

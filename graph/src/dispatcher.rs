@@ -515,6 +515,83 @@ mod tests {
         assert!(matches!(Dispatcher::new(bad), Err(GraphError::InvalidLora { .. })));
     }
 
+    /// Every error of construction, key initialisation and dispatch: the variant, and the words
+    /// its message must contain (the setting or argument at fault and what is allowed).
+    #[test]
+    fn every_rejected_dispatcher_setting_or_request_names_it_and_what_is_allowed() {
+        use GraphError as E;
+        let config = |max_num_seqs, lora, attention_is_splitting_op| DispatcherConfig {
+            capture_sizes: CaptureSizes::new([1, 2, 4]).unwrap_or_default(),
+            max_num_seqs,
+            lora,
+            attention_is_splitting_op,
+        };
+        let new = |max_num_seqs, lora| Dispatcher::new(config(max_num_seqs, lora, true)).map(|_| ());
+        let keys = |splitting, mode, q| {
+            Dispatcher::new(config(4, LoraConfig::Disabled, splitting)).and_then(|mut d| d.initialize_keys(mode, q))
+        };
+        let mut fdo = dsv4(GraphMode::FullDecodeOnly);
+        let full = ModeSet::only(R::Full);
+        let graphs = ModeSet::of(&[R::Full, R::Piecewise]);
+        let cases: Vec<crate::error::ErrorCase> = vec![
+            (
+                "zero max_num_seqs",
+                new(0, LoraConfig::Disabled),
+                |e| matches!(e, E::InvalidSetting { setting: "max_num_seqs", .. }),
+                &["max_num_seqs = 0", "at least 1"],
+            ),
+            (
+                "captured LoRA count 0",
+                new(4, LoraConfig::Specialized { captured_counts: vec![2, 0] }),
+                |e| matches!(e, E::InvalidLora { .. }),
+                &["LoRA", "captured LoRA counts must be at least 1"],
+            ),
+            (
+                "max_loras 0",
+                new(4, LoraConfig::Unspecialized { max_loras: 0 }),
+                |e| matches!(e, E::InvalidLora { .. }),
+                &["LoRA", "max_loras must be in 1..u32::MAX"],
+            ),
+            (
+                "max_loras u32::MAX",
+                new(4, LoraConfig::Unspecialized { max_loras: u32::MAX }),
+                |e| matches!(e, E::InvalidLora { .. }),
+                &["LoRA", "max_loras must be in 1..u32::MAX"],
+            ),
+            (
+                "zero query length",
+                keys(true, GraphMode::Full, 0),
+                |e| matches!(e, E::InvalidSetting { setting: "uniform_decode_query_len", .. }),
+                &["uniform_decode_query_len = 0", "1 + num_spec_tokens, at least 1"],
+            ),
+            (
+                "piecewise without splitting attention",
+                keys(false, GraphMode::FullAndPiecewise, 1),
+                |e| matches!(e, E::PiecewiseNeedsSplittingAttention { mode: GraphMode::FullAndPiecewise }),
+                &["FULL_AND_PIECEWISE", "not a splitting op", "FULL_DECODE_ONLY, FULL or NONE"],
+            ),
+            (
+                "size not a whole number of requests",
+                keys(true, GraphMode::FullDecodeOnly, 2),
+                |e| matches!(e, E::SizeNotMultipleOfQueryLen { size: 1, query_len: 2 }),
+                &["capture size 1", "multiple of the uniform decode query length 2", "round_for_spec_decode"],
+            ),
+            (
+                "no allowed mode",
+                fdo.dispatch(4, true, false, 0, full, full).map(|_| ()),
+                |e| matches!(e, E::NoAllowedMode { .. }),
+                &["no allowed mode", "valid_modes = {FULL}", "invalid_modes = {FULL}"],
+            ),
+            (
+                "eager not allowed",
+                fdo.dispatch(4, false, false, 0, graphs, NO).map(|_| ()),
+                |e| matches!(e, E::EagerNotAllowed { num_tokens: 4, .. }),
+                &["batch of 4 tokens", "allowed modes {PIECEWISE, FULL}", "add NONE to valid_modes"],
+            ),
+        ];
+        crate::error::check_errors(cases);
+    }
+
     #[test]
     fn capture_list_is_piecewise_then_full_each_largest_first() {
         let d = dispatcher(

@@ -306,6 +306,8 @@ mod tests {
         }
         for m in [GraphMode::FullDecodeOnly, GraphMode::FullAndPiecewise] {
             assert_eq!(RuntimeMode::try_from(m), Err(GraphError::NotARuntimeMode { mode: m }));
+            let msg = RuntimeMode::try_from(m).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(msg.contains(m.as_str()) && msg.contains("only NONE, PIECEWISE and FULL"), "{msg}");
         }
     }
 

@@ -262,3 +262,69 @@ impl PiecewiseRunner {
         Some(PieceCtx::new(arena, desc, Phase::ReplayPieces, inputs, graphs))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use holdfast_hal::Device;
+
+    /// A locked arena on the CPU device, a stream, and one (empty) piece graph captured on it.
+    fn setup() -> (PersistentArena, Stream, Graph) {
+        let dev = Device::cpu().expect("cpu device");
+        let mut arena = PersistentArena::new(&dev);
+        arena.alloc::<f32>("attn out", 8).expect("alloc");
+        arena.lock();
+        let s = dev.create_stream().expect("stream");
+        s.begin_capture("piece 0").expect("begin");
+        let g = s.end_capture().expect("end");
+        (arena, s, g)
+    }
+
+    /// Every way a forward can disagree with the piecewise capture or replay it runs under: the
+    /// variant, and the words its message must contain (the descriptor and the piece counts).
+    #[test]
+    fn every_piece_count_mismatch_names_the_descriptor_and_the_counts() {
+        let (arena, s, g) = setup();
+        let desc = BatchDescriptor::unpadded(8);
+        let graphs = [g];
+        let mut cases: Vec<(&str, Result<(), GraphError>, &[&str])> = Vec::new();
+
+        // A replay whose forward runs one piece more than was captured.
+        let mut ctx = PieceCtx::new(&arena, desc, Phase::ReplayPieces, &[], &graphs);
+        ctx.piece(&s, |_| Ok(())).expect("the captured piece replays");
+        let extra = ctx.piece(&s, |_| panic!("a replayed piece's closure is not called"));
+        cases.push(("extra piece on replay", extra, &["num_tokens=8", "ran piece 1", "only 1 were captured"]));
+
+        // A replay whose forward runs fewer pieces than were captured.
+        let ctx = PieceCtx::new(&arena, desc, Phase::ReplayPieces, &[], &graphs);
+        cases.push(("missing piece on replay", ctx.finish().map(|_| ()), &["ran 0 pieces, but 1 were captured"]));
+
+        // A piecewise capture of a forward that runs no piece at all.
+        let ctx = PieceCtx::new(&arena, desc, Phase::CapturePieces, &[], &[]);
+        cases.push(("no piece to capture", ctx.finish().map(|_| ()), &["num_tokens=8", "ran no piece"]));
+
+        for (what, result, words) in cases {
+            let Err(e) = result else { panic!("{what}: expected an error") };
+            assert!(matches!(&e, GraphError::PieceMismatch { desc: d, .. } if *d == desc), "{what}: {e:?}");
+            let msg = e.to_string();
+            for w in words {
+                assert!(msg.contains(w), "{what}: `{msg}` should mention `{w}`");
+            }
+        }
+        assert!(!s.is_capturing());
+    }
+
+    #[test]
+    fn a_splitting_op_output_outside_the_arena_names_the_op_and_the_buffer() {
+        let (arena, s, _) = setup();
+        let inside = arena.get::<f32>("attn out").expect("buffer").view().raw();
+        let fresh = arena.device().alloc_persistent::<f32>("scratch out", 8).expect("fresh");
+        let mut ctx = PieceCtx::eager(&arena, BatchDescriptor::unpadded(8));
+        let r = ctx.splitting_op(&s, "attn3", &[inside, fresh.view().raw()], |_| panic!("must not run"));
+        let Err(e) = r else { panic!("expected an error") };
+        assert_eq!(e, GraphError::SplittingOpOutputNotPersistent { op: "attn3".into(), buffer: "scratch out".into() });
+        let msg = e.to_string();
+        assert!(msg.contains("`attn3`") && msg.contains("`scratch out`") && msg.contains("arena buffers"), "{msg}");
+        assert_eq!(ctx.finish().map(|(_, c)| c.splitting_op_runs).ok(), Some(0));
+    }
+}

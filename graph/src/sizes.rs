@@ -522,6 +522,112 @@ mod tests {
         assert_eq!(CaptureSizes::empty().round_for_spec_decode(4), Ok(CaptureSizes::empty()));
     }
 
+    /// Every rejected size setting: the error variant, and the words its message must contain
+    /// (the setting at fault and what is allowed).
+    #[test]
+    fn every_rejected_size_setting_names_the_setting_and_what_is_allowed() {
+        use GraphError as E;
+        type Case = (&'static str, Result<CaptureSizes, GraphError>, fn(&GraphError) -> bool, &'static [&'static str]);
+        let with = |f: &dyn Fn(&mut CaptureSizeConfig)| {
+            let mut c = cfg(8, 100);
+            f(&mut c);
+            CaptureSizes::build(&c)
+        };
+        let cases: Vec<Case> = vec![
+            (
+                "zero seqs",
+                CaptureSizes::build(&cfg(0, 100)),
+                |e| matches!(e, E::InvalidSetting { setting: "max_num_seqs", .. }),
+                &["max_num_seqs = 0", "at least 1"],
+            ),
+            (
+                "zero tokens",
+                CaptureSizes::build(&cfg(8, 0)),
+                |e| matches!(e, E::InvalidSetting { setting: "max_num_batched_tokens", .. }),
+                &["max_num_batched_tokens = 0", "at least 1"],
+            ),
+            (
+                "spec tokens overflow",
+                with(&|c| c.num_spec_tokens = u32::MAX),
+                |e| matches!(e, E::InvalidSetting { setting: "num_spec_tokens", .. }),
+                &["num_spec_tokens = 4294967295", "overflows a u32"],
+            ),
+            (
+                "zero maximum",
+                with(&|c| c.max_capture_size = Some(0)),
+                |e| matches!(e, E::InvalidSetting { setting: "max_cudagraph_capture_size", .. }),
+                &["max_cudagraph_capture_size = 0", "at least 1", "NONE"],
+            ),
+            (
+                "empty list",
+                with(&|c| c.capture_sizes = Some(vec![])),
+                |e| matches!(e, E::InvalidSetting { setting: "cudagraph_capture_sizes", .. }),
+                &["cudagraph_capture_sizes = []", "at least one size"],
+            ),
+            (
+                "zero in the list",
+                with(&|c| c.capture_sizes = Some(vec![4, 0])),
+                |e| matches!(e, E::InvalidSetting { setting: "cudagraph_capture_sizes", .. }),
+                &["cudagraph_capture_sizes = [4, 0]", "at least 1"],
+            ),
+            (
+                "no size within the budget",
+                with(&|c| c.capture_sizes = Some(vec![200, 101])),
+                |e| matches!(e, E::NoCaptureSizeFits { max_num_batched_tokens: 100, .. }),
+                &["cudagraph_capture_sizes [101, 200]", "max_num_batched_tokens = 100"],
+            ),
+            (
+                "list and maximum disagree",
+                with(&|c| {
+                    c.capture_sizes = Some(vec![1, 2, 4]);
+                    c.max_capture_size = Some(8);
+                }),
+                |e| matches!(e, E::InconsistentCaptureSizes { max: 8, largest: 4 }),
+                &["max_cudagraph_capture_size = 8", "largest usable entry of cudagraph_capture_sizes (4"],
+            ),
+            (
+                "nothing left after spec-decode rounding",
+                CaptureSizes::build(&CaptureSizeConfig { num_spec_tokens: 3, ..cfg(8, 2) }),
+                |e| matches!(e, E::NoSizeAfterSpecDecodeRounding { multiple: 4, max: 2, .. }),
+                &["multiples of 4", "num_spec_tokens", "within the maximum 2"],
+            ),
+            (
+                "listed size above the limit",
+                CaptureSizes::build(&CaptureSizeConfig {
+                    capture_sizes: Some(vec![MAX_CAPTURE_SIZE + 1]),
+                    ..cfg(8, u32::MAX)
+                }),
+                |e| matches!(e, E::CaptureSizeTooLarge { size: 1_048_577, limit: MAX_CAPTURE_SIZE }),
+                &["capture size 1048577", "maximum of 1048576", "cudagraph_capture_sizes"],
+            ),
+            (
+                "maximum above the limit",
+                CaptureSizes::build(&CaptureSizeConfig { max_capture_size: Some(u32::MAX), ..cfg(8, u32::MAX) }),
+                |e| matches!(e, E::CaptureSizeTooLarge { size: 4_294_967_295, limit: MAX_CAPTURE_SIZE }),
+                &["capture size 4294967295", "maximum of 1048576", "max_cudagraph_capture_size"],
+            ),
+            (
+                "explicit zero",
+                CaptureSizes::new([0, 2]),
+                |e| matches!(e, E::InvalidSetting { setting: "capture size", .. }),
+                &["capture size = 0", "at least 1"],
+            ),
+            (
+                "explicit size above the limit",
+                CaptureSizes::new([2, MAX_CAPTURE_SIZE + 1]),
+                |e| matches!(e, E::CaptureSizeTooLarge { size: 1_048_577, .. }),
+                &["capture size 1048577", "maximum of 1048576"],
+            ),
+            (
+                "explicit rounding leaves nothing",
+                CaptureSizes::new([1, 2]).and_then(|s| s.round_for_spec_decode(3)),
+                |e| matches!(e, E::NoSizeAfterSpecDecodeRounding { multiple: 3, max: 2, .. }),
+                &["multiples of 3", "within the maximum 2", "sizes were [1, 2]"],
+            ),
+        ];
+        crate::error::check_errors(cases.into_iter().map(|(w, r, v, x)| (w, r.map(|_| ()), v, x)).collect());
+    }
+
     #[test]
     fn explicit_lists_are_sorted_and_reject_zero() {
         assert_eq!(CaptureSizes::new([8, 1, 8, 4]).map(|s| s.sizes().to_vec()), Ok(vec![1, 4, 8]));

@@ -377,10 +377,11 @@ mod tests {
 
     #[test]
     fn a_zero_query_length_is_an_error() {
-        assert!(matches!(
-            resolve(M::Full, S::Always, &ctx(0, true)),
-            Err(GraphError::InvalidSetting { setting: "uniform_decode_query_len", .. })
-        ));
+        let r = resolve(M::Full, S::Always, &ctx(0, true));
+        let Err(e) = r else { panic!("expected an error, got {r:?}") };
+        assert!(matches!(e, GraphError::InvalidSetting { setting: "uniform_decode_query_len", .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains("uniform_decode_query_len = 0") && msg.contains("at least 1"), "{msg}");
     }
 
     #[test]

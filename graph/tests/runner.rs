@@ -184,6 +184,61 @@ fn a_step_must_name_a_captured_key_exactly(dev: &Device) {
     r.execute(&s, RuntimeMode::Full, &full4).expect("the exact key replays");
 }
 
+/// Every key or arena the runner refuses, through each entry point: the variant, and the words its
+/// message must contain (the mode, the descriptor and what to do instead).
+fn every_rejected_key_or_arena_names_it(dev: &Device) {
+    let s = dev.create_stream().expect("stream");
+    let (mut r, _d) = setup(dev, GraphMode::FullAndPiecewise, Bug::None, RunnerConfig::default());
+    let full4 = BatchDescriptor { num_reqs: Some(4), uniform: true, ..BatchDescriptor::unpadded(4) };
+    let off_key = BatchDescriptor { num_reqs: Some(3), ..full4 };
+    let unpadded = BatchDescriptor::unpadded(5);
+    let fwd = Synthetic::new(dev, 8, Bug::None).expect("forward");
+    let d = dispatcher(GraphMode::Full, 4, 8).expect("dispatcher");
+    let unlocked = std::sync::Arc::new(PersistentArena::new(dev));
+    type Case = (&'static str, Result<(), GraphError>, fn(&GraphError) -> bool, &'static [&'static str]);
+    let cases: Vec<Case> = vec![
+        (
+            "capture of a descriptor that is no key",
+            r.capture(&s, RuntimeMode::Full, &off_key),
+            |e| matches!(e, GraphError::UnknownGraphKey { mode: RuntimeMode::Full, .. }),
+            &["no FULL graph key equals", "num_reqs=3", "one of its keys exactly"],
+        ),
+        (
+            "capture in NONE",
+            r.capture(&s, RuntimeMode::None, &unpadded),
+            |e| matches!(e, GraphError::UnknownGraphKey { mode: RuntimeMode::None, .. }),
+            &["no NONE graph key equals", "num_tokens=5"],
+        ),
+        (
+            "replay of a key not captured",
+            r.execute(&s, RuntimeMode::Full, &full4),
+            |e| matches!(e, GraphError::GraphNotCaptured { mode: RuntimeMode::Full, .. }),
+            &["FULL graph for", "num_tokens=4", "has not been captured", "capture_all", "lazy capture"],
+        ),
+        (
+            "replay of a descriptor that is no key",
+            r.execute(&s, RuntimeMode::Piecewise, &unpadded),
+            |e| matches!(e, GraphError::UnknownGraphKey { mode: RuntimeMode::Piecewise, .. }),
+            &["no PIECEWISE graph key equals", "num_tokens=5"],
+        ),
+        (
+            "runner over an unlocked arena",
+            GraphRunner::new(fwd, unlocked, &d, RunnerConfig::default()).map(|_| ()),
+            |e| matches!(e, GraphError::ArenaNotLocked),
+            &["persistent arena must be locked"],
+        ),
+    ];
+    for (what, result, variant, words) in cases {
+        let Err(e) = result else { panic!("{what}: expected an error") };
+        assert!(variant(&e), "{what}: unexpected variant {e:?}");
+        let msg = e.to_string();
+        for w in words {
+            assert!(msg.contains(w), "{what}: `{msg}` should mention `{w}`");
+        }
+    }
+    assert_eq!(r.stats().graphs, 0, "no rejected call captured anything");
+}
+
 fn the_runner_needs_a_locked_arena(dev: &Device) {
     let fwd = Synthetic::new(dev, 8, Bug::None).expect("forward");
     let d = dispatcher(GraphMode::Full, 4, 8).expect("dispatcher");
@@ -316,6 +371,7 @@ holdfast_hal::device_suite!(
     stats_count_graphs_memory_and_replays,
     lazy_capture_captures_on_first_use_only,
     a_step_must_name_a_captured_key_exactly,
+    every_rejected_key_or_arena_names_it,
     the_runner_needs_a_locked_arena,
     a_fresh_buffer_per_step_in_a_capture_is_not_graph_stable,
     a_data_dependent_view_length_is_an_input_view_mismatch,
