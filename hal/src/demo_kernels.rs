@@ -243,7 +243,7 @@ fn n_arg(l: &CpuLaunch<'_>, i: usize, views: &[usize]) -> Result<usize> {
         return Err(crate::HalError::OutOfBounds {
             kernel: l.kernel_name().to_string(),
             arg: "n".into(),
-            index: short,
+            index: i64::try_from(short).unwrap_or(i64::MAX),
             len: short,
             buffer: "a view shorter than n".into(),
         });

@@ -197,8 +197,9 @@ pub enum HalError {
         kernel: String,
         /// The parameter name.
         arg: String,
-        /// The offending element index (relative to the view).
-        index: usize,
+        /// The offending element index (relative to the view; negative for a signed index
+        /// before its start).
+        index: i64,
         /// The view's length in elements.
         len: usize,
         /// The buffer's label.

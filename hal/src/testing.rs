@@ -46,6 +46,28 @@ macro_rules! device_suite {
 /// The default `setup` of [`device_suite!`]: nothing.
 pub fn no_setup(_dev: &crate::Device) {}
 
+/// One rejected call of an error table: what it is, its result, the variant it must be, and the
+/// words its message must contain (what is at fault, and the bound it breaks or what is allowed).
+pub type ErrorCase<E> = (&'static str, std::result::Result<(), E>, fn(&E) -> bool, Vec<String>);
+
+/// Checks every case of an error table: an error of the expected variant whose message holds each
+/// of its words. Panics on the first case that does not: this is a test helper.
+pub fn check_errors<E: std::fmt::Debug + std::fmt::Display>(cases: Vec<ErrorCase<E>>) {
+    for (what, result, variant, words) in cases {
+        let Err(e) = result else { panic!("{what}: expected an error") };
+        assert!(variant(&e), "{what}: unexpected variant {e:?}");
+        let msg = e.to_string();
+        for w in &words {
+            assert!(msg.contains(w.as_str()), "{what}: `{msg}` should mention `{w}`");
+        }
+    }
+}
+
+/// The words of an [`ErrorCase`].
+pub fn words(w: &[&str]) -> Vec<String> {
+    w.iter().map(|s| (*s).to_owned()).collect()
+}
+
 /// Compiles `src` with NVRTC for `sm_90` and for `sm_90a` (the target an H100 or H200 runs, with
 /// warpgroup MMA) and checks that every entry point is in each PTX: the CI compile check of a
 /// crate's kernels, with no GPU needed. Returns the `sm_90a` CUBIN size, or `None` (after printing

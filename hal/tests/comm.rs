@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
+use holdfast_hal::testing::{self, check_errors};
 use holdfast_hal::{
     bf16, f16, Buffer, Communicator, Device, Element, HalError, ReduceOp, Stream, View, COMM_TIMEOUT_ENV,
     DEFAULT_COMM_TIMEOUT,
@@ -533,7 +534,12 @@ fn malformed_collectives_are_precise_errors_found_before_anything_runs() {
     let foreign = upload(&devices[0], "foreign", &[0.0f32; 8]);
     check(c.all_reduce(&s, &foreign.view(), &b.view(), ReduceOp::Sum), "all_reduce", "send (buffer `foreign`)");
     check(c.all_reduce(&s, &a.view(), &foreign.view(), ReduceOp::Sum), "all_reduce", "recv (buffer `foreign`)");
-    assert!(matches!(Communicator::group(&[]), Err(HalError::InvalidGroup(_))));
+    check_errors(vec![(
+        "a group of no devices",
+        Communicator::group(&[]).map(drop),
+        |e| matches!(e, HalError::InvalidGroup(_)),
+        testing::words(&["cannot form a communicator group: no devices given: a group needs at least one"]),
+    )]);
     // Nothing reached the rendezvous: the group is still in step (rank 0 would otherwise wait for a
     // call rank 1 already made).
     let ok = on_ranks(&comms, |c| {

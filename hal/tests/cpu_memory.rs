@@ -26,5 +26,14 @@ fn allocations_past_the_emulated_memory_fail_and_freeing_makes_room() {
     drop(a);
     let b = dev.alloc_zeroed::<u8>("b", 600 << 10, false).expect("room again after freeing");
     assert_eq!(b.len(), 600 << 10);
+    // Pinned staging is host memory, outside the device's: a size the host cannot give is an
+    // out-of-memory error (2^50 bytes pass any x86-64 or AArch64 address space), not an abort.
+    match dev.alloc_pinned::<u8>(1 << 50) {
+        Err(HalError::OutOfMemory { bytes, label }) => {
+            assert_eq!((bytes, label.as_str()), (1 << 50, "pinned host memory"))
+        }
+        other => panic!("a petabyte of pinned memory must fail, got {:?}", other.map(|p| p.len())),
+    }
+    assert_eq!(dev.alloc_pinned::<u8>(4 << 20).expect("4 MiB of pinned memory").len(), 4 << 20);
     std::env::remove_var(CPU_MEMORY_ENV);
 }

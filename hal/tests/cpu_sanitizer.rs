@@ -1,9 +1,11 @@
-//! CPU-backend-only checks: the emulator's bounds checking, device-name errors, poisoning, and a
-//! property test that capture + replay equals eager execution for random programs.
+//! CPU-backend-only checks: the emulator's bounds and argument checking, device-name errors,
+//! poisoning, and a property test that capture + replay equals eager execution for random programs.
 
 use holdfast_hal::demo_kernels;
+use holdfast_hal::testing::{check_errors, words};
 use holdfast_hal::{
-    Buffer, Device, HalError, KernelEntry, KernelSource, LaunchConfig, Param, PinnedBuffer, ScalarKind, Stream,
+    Buffer, CpuLaunch, Device, HalError, KernelEntry, KernelSource, LaunchConfig, Param, PinnedBuffer, ScalarKind,
+    Stream,
 };
 use proptest::prelude::*;
 
@@ -47,7 +49,12 @@ fn a_count_larger_than_the_view_is_reported() {
     let x = dev.alloc_zeroed::<f32>("x", 8, false).expect("x");
     let err =
         s.launch(&m.kernel("hf_touch").expect("k"), LaunchConfig::for_elements(9, 64), &[(&x).into(), 9u32.into()]);
-    assert!(matches!(err, Err(HalError::OutOfBounds { .. })), "{err:?}");
+    check_errors(vec![(
+        "count of 9 over a view of 8",
+        err,
+        |e| matches!(e, HalError::OutOfBounds { index: 8, len: 8, .. }),
+        words(&["kernel `hf_touch` argument `n`: index 8 is out of bounds for a view of 8 elements"]),
+    )]);
 }
 
 fn buggy_writes_its_input(l: &holdfast_hal::CpuLaunch<'_>) -> holdfast_hal::Result<()> {
@@ -87,17 +94,155 @@ fn new_allocations_are_poisoned_so_unwritten_outputs_show() {
 
 #[test]
 fn bad_device_names_are_clear_errors() {
-    for name in ["gpu", "cuda:x", "cpu:1", "", "rocm:-1", "tpu:0"] {
-        match Device::open(name) {
-            Err(HalError::UnknownDevice { name: n, reason }) => {
-                assert_eq!(n, name);
-                assert!(!reason.is_empty());
-            }
-            other => panic!("`{name}`: expected UnknownDevice, got {other:?}"),
-        }
-    }
+    let unknown: fn(&HalError) -> bool = |e| matches!(e, HalError::UnknownDevice { .. });
+    let open = |name: &str| Device::open(name).map(drop);
+    check_errors(vec![
+        (
+            "unknown backend",
+            open("gpu"),
+            unknown,
+            words(&["unknown device `gpu`: expected `cpu`, `cuda:N` or `rocm:N`"]),
+        ),
+        (
+            "malformed ordinal",
+            open("cuda:x"),
+            unknown,
+            words(&["unknown device `cuda:x`: the part after `:` must be a device ordinal"]),
+        ),
+        ("second cpu device", open("cpu:1"), unknown, words(&["unknown device `cpu:1`: there is one cpu device"])),
+        ("empty name", open(""), unknown, words(&["unknown device ``: expected `cpu`, `cuda:N` or `rocm:N`"])),
+        (
+            "negative ordinal",
+            open("rocm:-1"),
+            unknown,
+            words(&["unknown device `rocm:-1`: the part after `:` must be a device ordinal"]),
+        ),
+        ("unknown backend with an ordinal", open("tpu:0"), unknown, words(&["unknown device `tpu:0`: expected `cpu`"])),
+    ]);
     assert!(Device::open("CPU").is_ok(), "names are case-insensitive");
     assert!(Device::open("cpu:0").is_ok());
+}
+
+/// A CPU reference that reads argument `i` as a kind its signature does not declare, or past the
+/// view it was given, gets an error naming the kernel, the argument and what it is; one that
+/// gives up says why.
+#[test]
+fn a_reference_that_misreads_its_arguments_is_told_which_and_how() {
+    let dev = cpu();
+    let entry = |name: &'static str, cpu: holdfast_hal::CpuKernelFn| KernelEntry {
+        name,
+        params: vec![
+            Param::input::<f32>("x"),
+            Param::scalar("n", ScalarKind::U32),
+            Param::scalar("k", ScalarKind::I32),
+        ],
+        cpu,
+    };
+    let src = KernelSource {
+        name: "planted_misreads",
+        code: "HF_KERNEL void planted(const float* x, uint32_t n, int32_t k) { }",
+        entries: vec![
+            entry("n_as_i32", |l: &CpuLaunch<'_>| l.i32(1).map(drop)),
+            entry("k_as_u32", |l: &CpuLaunch<'_>| l.u32(2).map(drop)),
+            entry("n_as_i64", |l: &CpuLaunch<'_>| l.i64(1).map(drop)),
+            entry("n_as_u64", |l: &CpuLaunch<'_>| l.u64(1).map(drop)),
+            entry("n_as_f32", |l: &CpuLaunch<'_>| l.f32(1).map(drop)),
+            entry("x_as_scalar", |l: &CpuLaunch<'_>| l.u32(0).map(drop)),
+            entry("x_as_i32_pointer", |l: &CpuLaunch<'_>| l.ptr::<i32>(0).map(drop)),
+            entry("n_as_pointer", |l: &CpuLaunch<'_>| l.ptr::<f32>(1).map(drop)),
+            entry("negative_k_as_count", |l: &CpuLaunch<'_>| l.count(2).map(drop)),
+            entry("read_past_x", |l: &CpuLaunch<'_>| l.ptr::<f32>(0)?.read(2, 4).map(drop)),
+            entry("read_x_at_minus_one", |l: &CpuLaunch<'_>| l.ptr::<f32>(0)?.get_signed(-1).map(drop)),
+            entry("gives_up", |l: &CpuLaunch<'_>| Err(l.fail("the planted reference gives up"))),
+        ],
+    };
+    let m = dev.compile(&src).expect("compile");
+    let s = dev.create_stream().expect("stream");
+    let x = dev.alloc_zeroed::<f32>("x", 4, false).expect("x");
+    let run = |name: &str| {
+        s.launch(&m.kernel(name).expect("k"), LaunchConfig::blocks(1, 32), &[(&x).into(), 4u32.into(), (-1i32).into()])
+    };
+    let args: fn(&HalError) -> bool = |e| matches!(e, HalError::KernelArgs { .. });
+    let oob: fn(&HalError) -> bool = |e| matches!(e, HalError::OutOfBounds { .. });
+    check_errors(vec![
+        (
+            "u32 read as i32",
+            run("n_as_i32"),
+            args,
+            words(&["kernel `n_as_i32`: CPU reference: argument 1 (`n`) is not an i32"]),
+        ),
+        (
+            "i32 read as u32",
+            run("k_as_u32"),
+            args,
+            words(&["kernel `k_as_u32`: CPU reference: argument 2 (`k`) is not a u32"]),
+        ),
+        (
+            "u32 read as i64",
+            run("n_as_i64"),
+            args,
+            words(&["kernel `n_as_i64`: CPU reference: argument 1 (`n`) is not an i64"]),
+        ),
+        (
+            "u32 read as u64",
+            run("n_as_u64"),
+            args,
+            words(&["kernel `n_as_u64`: CPU reference: argument 1 (`n`) is not a u64"]),
+        ),
+        (
+            "u32 read as f32",
+            run("n_as_f32"),
+            args,
+            words(&["kernel `n_as_f32`: CPU reference: argument 1 (`n`) is not an f32"]),
+        ),
+        (
+            "pointer read as a scalar",
+            run("x_as_scalar"),
+            args,
+            words(&["CPU reference: argument 0 (`x`) is not a scalar"]),
+        ),
+        (
+            "f32 pointer read as i32",
+            run("x_as_i32_pointer"),
+            args,
+            words(&["kernel `x_as_i32_pointer`: CPU reference: argument 0 (`x`) is not a pointer to i32"]),
+        ),
+        (
+            "scalar read as a pointer",
+            run("n_as_pointer"),
+            args,
+            words(&["CPU reference: argument 1 (`n`) is not a pointer"]),
+        ),
+        (
+            "negative count",
+            run("negative_k_as_count"),
+            args,
+            words(&["CPU reference: argument 2 (`k`) is not a non-negative count"]),
+        ),
+        (
+            "range read past the view",
+            run("read_past_x"),
+            oob,
+            words(&[
+                "kernel `read_past_x` argument `x`: index 5 is out of bounds for a view of 4 elements of buffer `x`",
+            ]),
+        ),
+        (
+            "negative index",
+            run("read_x_at_minus_one"),
+            oob,
+            words(&[
+                "kernel `read_x_at_minus_one` argument `x`: index -1 is out of bounds for a view of 4 elements of \
+                 buffer `x`",
+            ]),
+        ),
+        (
+            "reference that gives up",
+            run("gives_up"),
+            |e| matches!(e, HalError::KernelFailed { .. }),
+            words(&["kernel `gives_up` failed: the planted reference gives up"]),
+        ),
+    ]);
 }
 
 #[test]

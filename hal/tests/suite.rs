@@ -3,6 +3,7 @@
 //! skip line when no CUDA driver or device is present).
 
 use holdfast_hal::demo_kernels;
+use holdfast_hal::testing::{check_errors, words, ErrorCase};
 use holdfast_hal::{
     bf16, Arg, BackendKind, CaptureOp, CaptureStatus, Device, HalError, Kernel, LaunchConfig, Module, Stream,
     StreamPriority,
@@ -131,30 +132,119 @@ fn capture_then_replay_with_new_inputs_equals_eager(dev: &Device) {
 }
 
 fn every_capture_rule_is_enforced_and_the_capture_stays_usable(dev: &Device) {
+    use HalError as E;
     let s = dev.create_stream().expect("stream");
     let other = dev.create_stream().expect("stream");
     let x = dev.alloc_from_slice("x", &seq(64, 0.0), true).expect("x");
     let scratch = dev.alloc::<f32>("scratch", 4).expect("scratch");
     let ev = dev.create_event().expect("event");
+    s.begin_capture("earlier").expect("begin");
+    let earlier = s.end_capture().expect("end");
     s.begin_capture("rules").expect("begin");
     s.launch(&kernel(dev, "hf_touch"), cfg(64), &[(&x).into(), 64u32.into()]).expect("first launch");
-    let expect = |r: Result<(), HalError>, op: CaptureOp| match r {
-        Err(HalError::IllegalDuringCapture { op: got, .. }) if got == op => {}
-        other => panic!("expected IllegalDuringCapture({op}), got {other:?}"),
-    };
-    expect(dev.alloc::<f32>("late", 4).map(drop), CaptureOp::Allocate);
-    expect(dev.alloc_pinned::<f32>(4).map(drop), CaptureOp::Allocate);
-    expect(scratch.free(), CaptureOp::Free);
-    expect(s.synchronize(), CaptureOp::Synchronize);
-    expect(other.synchronize(), CaptureOp::Synchronize);
-    expect(dev.synchronize(), CaptureOp::Synchronize);
-    expect(s.copy_to_host_sync(&x.view()).map(drop), CaptureOp::DeviceToHost);
-    expect(s.copy_from_host(&[1.0f32; 64], &x.view()), CaptureOp::PageableCopy);
+    s.bind_input("x", &x).expect("bind");
     let mut uncompiled = demo_kernels::source().clone();
     uncompiled.name = "hal_demo_not_yet_compiled";
-    expect(dev.compile(&uncompiled).map(drop), CaptureOp::Compile);
+    let cases: Vec<ErrorCase<HalError>> = vec![
+        (
+            "allocation",
+            dev.alloc::<f32>("late", 4).map(drop),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Allocate, .. }),
+            words(&["allocation is illegal while stream capture is active (buffer `late`)"]),
+        ),
+        (
+            "mapped allocation",
+            dev.alloc_mapped::<f32>("late_mapped", 4).map(drop),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Allocate, .. }),
+            words(&["allocation is illegal", "(buffer `late_mapped`)"]),
+        ),
+        (
+            "pinned allocation",
+            dev.alloc_pinned::<f32>(4).map(drop),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Allocate, .. }),
+            words(&["allocation is illegal", "(pinned host buffer)"]),
+        ),
+        (
+            "free",
+            scratch.free(),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Free, .. }),
+            words(&["free is illegal while stream capture is active (buffer `scratch`)"]),
+        ),
+        (
+            "stream synchronize",
+            s.synchronize(),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Synchronize, .. }),
+            words(&["synchronize is illegal", "(stream synchronize)"]),
+        ),
+        (
+            "synchronize of another stream of the device",
+            other.synchronize(),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Synchronize, .. }),
+            words(&["synchronize is illegal", "(stream synchronize)"]),
+        ),
+        (
+            "device synchronize",
+            dev.synchronize(),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Synchronize, .. }),
+            words(&["synchronize is illegal", "(device synchronize)"]),
+        ),
+        (
+            "event synchronize",
+            ev.synchronize(),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Synchronize, .. }),
+            words(&["synchronize is illegal", "(event synchronize)"]),
+        ),
+        (
+            "device-to-host read",
+            s.copy_to_host_sync(&x.view()).map(drop),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::DeviceToHost, .. }),
+            words(&["device-to-host read is illegal", "(from `x`)"]),
+        ),
+        (
+            "pageable copy",
+            s.copy_from_host(&[1.0f32; 64], &x.view()),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::PageableCopy, .. }),
+            words(&["pageable host-to-device copy is illegal", "(into `x`)"]),
+        ),
+        (
+            "synchronous upload",
+            dev.write_sync(&x, &[1.0f32; 64]),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::PageableCopy, .. }),
+            words(&["pageable host-to-device copy is illegal", "(upload into `x`)"]),
+        ),
+        (
+            "compilation",
+            dev.compile(&uncompiled).map(drop),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Compile, .. }),
+            words(&["module compilation is illegal", "(module `hal_demo_not_yet_compiled`)"]),
+        ),
+        (
+            "event record",
+            ev.record(&s),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Event, .. }),
+            words(&["event record/wait is illegal", "(event record (order streams"]),
+        ),
+        (
+            "stream wait",
+            s.wait_event(&ev),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Event, .. }),
+            words(&["event record/wait is illegal", "(stream wait (order streams"]),
+        ),
+        (
+            "replay into the capturing stream",
+            earlier.replay(&s),
+            |e| matches!(e, E::IllegalDuringCapture { op: CaptureOp::Replay, .. }),
+            words(&["graph replay is illegal", "(into a capturing stream)"]),
+        ),
+        (
+            "an input bound twice",
+            s.bind_input("x", &x),
+            |e| matches!(e, E::Unsupported(_)),
+            words(&["graph input `x` is bound twice"]),
+        ),
+    ];
+    check_errors(cases);
     dev.compile(demo_kernels::source()).expect("a module cache hit is a lookup, legal during capture");
-    expect(ev.record(&s), CaptureOp::Event);
     // The memory of the rejected free stays allocated until the capture ends.
     assert_eq!(dev.stats().deferred_frees, 1);
     // The capture is still usable: record more, end it, and replay.
@@ -301,6 +391,228 @@ fn bad_arguments_are_precise_errors(dev: &Device) {
     assert!(matches!(x.slice(4, 5), Err(HalError::InvalidView { offset: 4, len: 5, capacity: 8, .. })));
     assert!(matches!(x.slice(usize::MAX, 2), Err(HalError::InvalidView { .. })));
     let _: Arg = 1u64.into();
+}
+
+/// Every call refused outside a capture names what is at fault (the argument, buffer, kernel,
+/// module, graph or event) and the bound it breaks or the state it needs; nothing runs.
+fn rejected_calls_name_what_is_at_fault_and_what_is_allowed(dev: &Device) {
+    use HalError as E;
+    let s = dev.create_stream().expect("stream");
+    let side = dev.create_stream().expect("side");
+    let touch = kernel(dev, "hf_touch");
+    let x = dev.alloc_from_slice("x", &[0.0f32; 8], true).expect("x");
+    let mut pinned = dev.alloc_pinned::<f32>(4).expect("pinned");
+    let ev = dev.create_event().expect("event");
+    s.begin_capture("g").expect("begin");
+    s.bind_input("positions", &x.prefix(4).expect("prefix")).expect("bind");
+    let g = s.end_capture().expect("end");
+    let other = Device::cpu().expect("cpu");
+    assert_ne!(other.id(), dev.id());
+    let other_stream = other.create_stream().expect("stream");
+    let foreign = other.alloc_from_slice("foreign", &[0.0f32; 8], true).expect("foreign");
+    let other_pinned = other.alloc_pinned::<f32>(8).expect("pinned");
+    let mut repeated = demo_kernels::source().clone();
+    repeated.name = "hal_demo_repeated";
+    repeated.entries.push(repeated.entries[0].clone());
+    let shaped = |grid, block| LaunchConfig { grid, block, shared_mem_bytes: 0 };
+    let args: [Arg; 2] = [(&x).into(), 8u32.into()];
+    let cases: Vec<ErrorCase<HalError>> = vec![
+        (
+            "allocation whose byte size overflows",
+            dev.alloc::<f32>("huge", usize::MAX / 2).map(drop),
+            |e| matches!(e, E::OutOfMemory { label, .. } if label == "huge"),
+            words(&["out of device memory", "for `huge`"]),
+        ),
+        (
+            "mapped allocation whose byte size overflows",
+            dev.alloc_mapped::<f32>("huge_mapped", usize::MAX / 2).map(drop),
+            |e| matches!(e, E::OutOfMemory { label, .. } if label == "huge_mapped"),
+            words(&["out of device memory", "for `huge_mapped`"]),
+        ),
+        (
+            "pinned allocation whose byte size overflows",
+            dev.alloc_pinned::<f32>(usize::MAX / 2).map(drop),
+            |e| matches!(e, E::OutOfMemory { label, .. } if label == "pinned"),
+            words(&["out of device memory", "for `pinned`"]),
+        ),
+        (
+            "upload of the wrong length",
+            dev.write_sync(&x, &[0.0f32; 3]),
+            |e| matches!(e, E::LengthMismatch { op: "write_sync", src: 3, dst: 8 }),
+            words(&["write_sync: source has 3 elements, destination has 8"]),
+        ),
+        (
+            "upload into another device's buffer",
+            dev.write_sync(&foreign, &[0.0f32; 8]),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["`foreign` belongs to another device"]),
+        ),
+        (
+            "copy between views of different lengths",
+            s.copy(&x.view(), &x.prefix(2).expect("prefix")),
+            |e| matches!(e, E::LengthMismatch { op: "copy", src: 8, dst: 2 }),
+            words(&["copy: source has 8 elements, destination has 2"]),
+        ),
+        (
+            "pageable copy of the wrong length",
+            s.copy_from_host(&[1.0f32; 3], &x.view()),
+            |e| matches!(e, E::LengthMismatch { op: "copy_from_host", src: 3, dst: 8 }),
+            words(&["copy_from_host: source has 3 elements, destination has 8"]),
+        ),
+        (
+            "memset of another device's buffer",
+            s.memset(&foreign.view(), 0),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["memset: buffer `foreign` belongs to another device"]),
+        ),
+        (
+            "copy from another device's buffer",
+            s.copy(&foreign.view(), &x.view()),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["copy: buffer `foreign` belongs to another device"]),
+        ),
+        (
+            "copy into another device's buffer",
+            s.copy(&x.view(), &foreign.view()),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["copy: buffer `foreign` belongs to another device"]),
+        ),
+        (
+            "pageable copy into another device's buffer",
+            s.copy_from_host(&[0.0f32; 8], &foreign.view()),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["copy_from_host: buffer `foreign` belongs to another device"]),
+        ),
+        (
+            "read of another device's buffer",
+            s.copy_to_host_sync(&foreign.view()).map(drop),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["copy_to_host_sync: buffer `foreign` belongs to another device"]),
+        ),
+        (
+            "pinned copy into another device's buffer",
+            s.copy_from_pinned(&pinned, 0, &foreign.prefix(4).expect("prefix")),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["copy_from_pinned: buffer `foreign` belongs to another device"]),
+        ),
+        (
+            "pinned copy from another device's pinned buffer",
+            s.copy_from_pinned(&other_pinned, 0, &x.view()),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["copy_from_pinned: pinned buffer belongs to another device"]),
+        ),
+        (
+            "pinned copy past the end of the staging buffer",
+            s.copy_from_pinned(&pinned, 2, &x.prefix(4).expect("prefix")),
+            |e| matches!(e, E::InvalidView { offset: 2, len: 4, capacity: 4, .. }),
+            words(&["view [2, 2+4) is out of range for buffer `pinned staging` of 4 elements"]),
+        ),
+        (
+            "host write past the end of the staging buffer",
+            pinned.write(3, &[1.0, 2.0]),
+            |e| matches!(e, E::InvalidView { offset: 3, len: 2, capacity: 4, .. }),
+            words(&["view [3, 3+2) is out of range for buffer `pinned staging` of 4 elements"]),
+        ),
+        (
+            "view past the end of its buffer",
+            x.slice(4, 5).map(drop),
+            |e| matches!(e, E::InvalidView { offset: 4, len: 5, capacity: 8, .. }),
+            words(&["view [4, 4+5) is out of range for buffer `x` of 8 elements"]),
+        ),
+        (
+            "sub-view past the end of its view",
+            x.slice(2, 4).and_then(|v| v.slice(3, 2)).map(drop),
+            |e| matches!(e, E::InvalidView { offset: 5, len: 2, .. }),
+            words(&["view [5, 5+2)", "buffer `x`"]),
+        ),
+        (
+            "launch with another device's buffer",
+            s.launch(&touch, cfg(8), &[(&foreign).into(), 8u32.into()]),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["hf_touch: buffer `foreign` belongs to another device"]),
+        ),
+        (
+            "launch with a zero grid dimension",
+            s.launch(&touch, shaped((0, 1, 1), (128, 1, 1)), &args),
+            |e| matches!(e, E::InvalidLaunch { kernel, .. } if kernel == "hf_touch"),
+            words(&["invalid launch of `hf_touch`: grid (0, 1, 1) and block (128, 1, 1) must have no zero dimension"]),
+        ),
+        (
+            "launch with a zero block dimension",
+            s.launch(&touch, shaped((1, 1, 1), (128, 1, 0)), &args),
+            |e| matches!(e, E::InvalidLaunch { kernel, .. } if kernel == "hf_touch"),
+            words(&["invalid launch of `hf_touch`: grid (1, 1, 1) and block (128, 1, 0) must have no zero dimension"]),
+        ),
+        (
+            "launch with grid z past 65535",
+            s.launch(&touch, shaped((1, 1, 65536), (128, 1, 1)), &args),
+            |e| matches!(e, E::InvalidLaunch { kernel, .. } if kernel == "hf_touch"),
+            words(&["invalid launch of `hf_touch`: grid (1, 1, 65536): y and z are limited to 65535"]),
+        ),
+        (
+            "launch with more threads per block than any device runs",
+            s.launch(&touch, shaped((1, 1, 1), (32, 32, 2)), &args),
+            |e| matches!(e, E::InvalidLaunch { kernel, .. } if kernel == "hf_touch"),
+            words(&["invalid launch of `hf_touch`: block (32, 32, 2) has 2048 threads, more than 1024"]),
+        ),
+        (
+            "unknown kernel",
+            module(dev).kernel("nope").map(drop),
+            |e| matches!(e, E::UnknownKernel { name, .. } if name == "nope"),
+            words(&["module `hal_demo` has no kernel `nope`", "(it has: hf_axpy, hf_scale, "]),
+        ),
+        (
+            "module with a repeated entry point",
+            dev.compile(&repeated).map(drop),
+            |e| matches!(e, E::Compile { source_name, .. } if source_name == "hal_demo_repeated"),
+            words(&["compiling `hal_demo_repeated`", "entry point name `hf_axpy` is empty or repeated"]),
+        ),
+        (
+            "event recorded on another device's stream",
+            ev.record(&other_stream),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["event recorded on a stream of another device"]),
+        ),
+        (
+            "synchronize on an event never recorded",
+            ev.synchronize(),
+            |e| matches!(e, E::EventNotRecorded),
+            words(&["event was never recorded"]),
+        ),
+        (
+            "graph replayed on another device's stream",
+            g.replay(&other_stream),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["graph `g` replayed on a stream of another device"]),
+        ),
+        (
+            "replay given an input the graph does not have",
+            g.replay_with_inputs(&s, &[("positions", x.prefix(4).expect("prefix").raw()), ("nope", x.view().raw())]),
+            |e| matches!(e, E::InputViewMismatch { input, .. } if input == "nope"),
+            words(&["graph `g` input `nope`: captured with no such input, replayed with `x`"]),
+        ),
+        (
+            "input bound outside a capture",
+            s.bind_input("late", &x),
+            |e| matches!(e, E::CaptureTransition { state: "idle", .. }),
+            words(&["cannot bind a graph input on a stream whose capture state is idle"]),
+        ),
+        (
+            "branch joined into a stream that is not capturing",
+            s.join_capture(&side),
+            |e| matches!(e, E::CaptureTransition { state: "idle", .. }),
+            words(&["cannot join a branch into a stream whose capture state is idle"]),
+        ),
+        (
+            "branch of another device forked",
+            s.fork_capture(&other_stream),
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["fork_capture: the branch belongs to another device"]),
+        ),
+    ];
+    check_errors(cases);
+    assert_eq!(g.replays(), 0);
+    assert_eq!(s.copy_to_host_sync(&x.view()).expect("read"), vec![0.0f32; 8], "nothing ran");
 }
 
 fn zero_length_buffers_are_valid_and_empty(dev: &Device) {
@@ -773,6 +1085,7 @@ holdfast_hal::device_suite!(
     a_stale_host_refreshed_input_is_caught,
     replay_with_different_input_views_is_caught,
     bad_arguments_are_precise_errors,
+    rejected_calls_name_what_is_at_fault_and_what_is_allowed,
     zero_length_buffers_are_valid_and_empty,
     events_time_device_work,
     modules_are_compiled_once_per_device,

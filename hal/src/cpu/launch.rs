@@ -158,6 +158,10 @@ impl<T: Element> CpuPtr<'_, T> {
     }
 
     fn oob(&self, index: usize) -> HalError {
+        self.oob_signed(i64::try_from(index).unwrap_or(i64::MAX))
+    }
+
+    fn oob_signed(&self, index: i64) -> HalError {
         HalError::OutOfBounds {
             kernel: self.kernel.to_string(),
             arg: self.arg.to_string(),
@@ -193,7 +197,7 @@ impl<T: Element> CpuPtr<'_, T> {
 
     /// Element `i` with a signed index (negative indices are out of bounds, reported as such).
     pub fn get_signed(&self, i: i64) -> Result<T> {
-        usize::try_from(i).map_err(|_| self.oob(usize::MAX)).and_then(|i| self.get(i))
+        usize::try_from(i).map_err(|_| self.oob_signed(i)).and_then(|i| self.get(i))
     }
 
     /// Stores `v` at element `i`.

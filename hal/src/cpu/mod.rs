@@ -187,13 +187,28 @@ impl DeviceOps for CpuDevice {
         self.core.write(addr, data, "upload")
     }
 
+    /// Host memory (not counted against the emulated device memory); a size the host cannot
+    /// give is an out-of-memory error, as `cuMemHostAlloc` failing would be.
     fn alloc_pinned(&self, bytes: usize) -> Result<PinnedImpl> {
-        Ok(PinnedImpl::Cpu(CpuPinned(Arc::new(Mutex::new(vec![0u64; bytes.div_ceil(8)].into_boxed_slice())))))
+        let mut data = Vec::new();
+        if data.try_reserve_exact(bytes.div_ceil(8)).is_err() {
+            return Err(HalError::OutOfMemory { bytes, label: "pinned host memory".into() });
+        }
+        data.resize(bytes.div_ceil(8), 0u64);
+        Ok(PinnedImpl::Cpu(CpuPinned(Arc::new(Mutex::new(data.into_boxed_slice())))))
     }
 
     fn alloc_mapped(&self, bytes: usize, label: &str) -> Result<MemImpl> {
         let mem = self.alloc(bytes, label)?;
-        mem.host_write(0, &vec![0u8; bytes])?;
+        // Zeroed a chunk at a time (no second allocation of the whole size).
+        const CHUNK: usize = 1 << 20;
+        let zeros = vec![0u8; bytes.min(CHUNK)];
+        let mut at = 0;
+        while at < bytes {
+            let n = (bytes - at).min(CHUNK);
+            mem.host_write(at, &zeros[..n])?;
+            at += n;
+        }
         Ok(mem)
     }
 
