@@ -64,7 +64,7 @@ fn pack_checks(
     if dense.len() < cells {
         return Err(shape(op, format!("dense holds {} elements, [{rows}, {width}] needs {cells}", dense.len())));
     }
-    if indptr.len() < rows + 1 {
+    if indptr.len() <= rows {
         return Err(shape(op, format!("indptr holds {} elements, needs rows + 1 = {}", indptr.len(), rows + 1)));
     }
     if flat.len() < cells {
@@ -164,17 +164,26 @@ impl Kernels {
         dst_stride: usize,
     ) -> Result<()> {
         const OP: &str = "copy_rows_i32";
-        let need = |stride: usize| if rows == 0 { 0 } else { (rows - 1) * stride + cols };
         if cols > src_stride || cols > dst_stride {
             return Err(shape(OP, format!("cols {cols} exceeds a stride (src {src_stride}, dst {dst_stride})")));
         }
-        if src.len() < need(src_stride) || dst.len() < need(dst_stride) {
+        // Elements a view must hold; None where the block's extent overflows.
+        let extent =
+            |stride: usize| if rows == 0 { Some(0) } else { (rows - 1).checked_mul(stride)?.checked_add(cols) };
+        let (Some(need_src), Some(need_dst)) = (extent(src_stride), extent(dst_stride)) else {
             return Err(shape(
                 OP,
                 format!(
-                    "[{rows}, {cols}] with strides {src_stride}/{dst_stride} needs {}/{} elements, views hold {}/{}",
-                    need(src_stride),
-                    need(dst_stride),
+                    "[{rows}, {cols}] with strides {src_stride}/{dst_stride} spans more elements than usize counts"
+                ),
+            ));
+        };
+        if src.len() < need_src || dst.len() < need_dst {
+            return Err(shape(
+                OP,
+                format!(
+                    "[{rows}, {cols}] with strides {src_stride}/{dst_stride} needs {need_src}/{need_dst} elements, \
+                     views hold {}/{}",
                     src.len(),
                     dst.len()
                 ),

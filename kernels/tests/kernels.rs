@@ -3,7 +3,8 @@
 //! capture/replay test, and the sanitizer catching a consumer that reads past `indptr`. Written
 //! once against `&Device`; runs on `cpu` always and on `cuda:0` when present.
 
-use holdfast_hal::{Buffer, Device, HalError, LaunchConfig};
+use holdfast_hal::testing::{check_errors, words, ErrorCase};
+use holdfast_hal::{Buffer, Device, HalError, LaunchConfig, View};
 use holdfast_kernels::{Kernels, KernelsError};
 
 /// Unwritten i32 outputs read as this (0x7B7B7B7B), never a plausible index or -1.
@@ -164,30 +165,113 @@ fn ragged_from_dense_equals_scan_then_pack(dev: &Device) {
             assert!(got[want.len()..].iter().all(|&v| v == POISON), "{rows}×{width}: nothing past indptr[rows]");
         }
     }
-    let v = |n: usize| dev.alloc::<i32>("v", n).expect("alloc").view();
-    let is_shape = |r: Result<(), KernelsError>| matches!(r, Err(KernelsError::Shape { .. }));
-    assert!(is_shape(k.ragged_from_dense_i32(&s, &v(15), &v(4), &v(5), &v(16), 4, None)), "dense too small");
-    assert!(is_shape(k.ragged_from_dense_i32(&s, &v(16), &v(4), &v(4), &v(16), 4, None)), "indptr too small");
-    assert!(is_shape(k.ragged_from_dense_i32(&s, &v(16), &v(4), &v(5), &v(16), 4, Some((3, 2)))), "empty range");
 }
 
+/// Every shape a launcher refuses is an error naming the launcher, the argument at fault and what
+/// it needs, found before anything is enqueued.
 fn shape_errors_are_reported_before_launch(dev: &Device) {
     let k = Kernels::new(dev).expect("kernels");
     let s = dev.create_stream().expect("stream");
     let b = poisoned(dev, "b", 16);
     let v = |n| b.prefix(n).expect("view");
-    let is_shape = |r: holdfast_kernels::Result<()>| matches!(r, Err(KernelsError::Shape { .. }));
-    assert!(is_shape(k.exclusive_scan_i32(&s, &v(8), &v(8))), "indptr must be len + 1");
-    assert!(is_shape(k.gather_i32(&s, &v(4), &v(3), &v(4))), "idx shorter than out");
-    assert!(is_shape(k.copy_rows_i32(&s, &v(16), &v(16), 4, 5, 4, 5)), "cols above a stride");
-    assert!(is_shape(k.copy_rows_i32(&s, &v(16), &v(8), 4, 4, 4, 4)), "dst too small");
-    assert!(is_shape(k.ragged_pack_i32(&s, &v(15), &v(4), &v(5), &v(16), 4, None)), "dense too small");
-    assert!(is_shape(k.ragged_pack_i32(&s, &v(16), &v(4), &v(4), &v(16), 4, None)), "indptr too small");
-    assert!(is_shape(k.ragged_pack_i32(&s, &v(16), &v(4), &v(5), &v(15), 4, None)), "flat too small");
-    assert!(is_shape(k.ragged_pack_i32(&s, &v(16), &v(4), &v(5), &v(16), 4, Some((3, 2)))), "empty range");
+    let shape: fn(&KernelsError) -> bool = |e| matches!(e, KernelsError::Shape { .. });
+    let big = 1usize << 32;
+    let mut cases: Vec<ErrorCase<KernelsError>> = vec![
+        (
+            "indptr not len + 1",
+            k.exclusive_scan_i32(&s, &v(8), &v(8)),
+            shape,
+            words(&["exclusive_scan_i32: indptr holds 8 elements, expected len + 1 = 9"]),
+        ),
+        (
+            "idx shorter than out",
+            k.gather_i32(&s, &v(4), &v(3), &v(4)),
+            shape,
+            words(&["gather_i32: idx holds 3 elements, out needs 4"]),
+        ),
+        (
+            "cols above a stride",
+            k.copy_rows_i32(&s, &v(16), &v(16), 4, 5, 4, 5),
+            shape,
+            words(&["copy_rows_i32: cols 5 exceeds a stride (src 4, dst 5)"]),
+        ),
+        (
+            // The block's extent overflows usize: an error, not an arithmetic overflow.
+            "extent past usize",
+            k.copy_rows_i32(&s, &v(16), &v(16), 3, 1, 1 << 63, 1),
+            shape,
+            words(&["copy_rows_i32: [3, 1] with strides 9223372036854775808/1 spans more elements than usize counts"]),
+        ),
+        (
+            "dst too small",
+            k.copy_rows_i32(&s, &v(16), &v(8), 4, 4, 4, 4),
+            shape,
+            words(&["copy_rows_i32: [4, 4] with strides 4/4 needs 16/16 elements, views hold 16/8"]),
+        ),
+        (
+            "cols past 32 bits",
+            k.copy_rows_i32(&s, &v(0), &v(0), 0, big, big, big),
+            shape,
+            words(&["copy_rows_i32: cols = 4294967296 does not fit in 32 bits"]),
+        ),
+    ];
+    for (op, pack) in [
+        ("ragged_pack_i32", Kernels::ragged_pack_i32 as Pack),
+        ("ragged_from_dense_i32", Kernels::ragged_from_dense_i32 as Pack),
+    ] {
+        let run = |dense, len, indptr, flat, width, range| {
+            pack(&k, &s, &v(dense), &v(len), &v(indptr), &v(flat), width, range)
+        };
+        cases.extend([
+            (
+                "dense too small",
+                run(15, 4, 5, 16, 4, None),
+                shape,
+                vec![format!("{op}: dense holds 15 elements, [4, 4] needs 16")],
+            ),
+            (
+                "indptr too small",
+                run(16, 4, 4, 16, 4, None),
+                shape,
+                vec![format!("{op}: indptr holds 4 elements, needs rows + 1 = 5")],
+            ),
+            (
+                "flat too small",
+                run(16, 4, 5, 15, 4, None),
+                shape,
+                vec![format!("{op}: flat holds 15 elements, needs rows × width = 16")],
+            ),
+            ("empty range", run(16, 4, 5, 16, 4, Some((3, 2))), shape, vec![format!("{op}: empty range [3, 2)")]),
+            (
+                "width past 32 bits",
+                run(0, 0, 1, 0, big, None),
+                shape,
+                vec![format!("{op}: width = 4294967296 does not fit in 32 bits")],
+            ),
+            (
+                "rows × width overflows",
+                run(0, 2, 3, 0, usize::MAX, None),
+                shape,
+                vec![format!("{op}: 2 × {} overflows", usize::MAX)],
+            ),
+        ]);
+    }
+    check_errors(cases);
     let got = s.copy_to_host_sync(&b.view()).expect("read");
     assert!(got.iter().all(|&x| x == POISON), "no rejected launch wrote anything");
 }
+
+/// The signature the two ragged packs share.
+type Pack = fn(
+    &Kernels,
+    &holdfast_hal::Stream,
+    &View<i32>,
+    &View<i32>,
+    &View<i32>,
+    &View<i32>,
+    usize,
+    Option<(i32, i32)>,
+) -> holdfast_kernels::Result<()>;
 
 fn scan_and_pack_replay_with_fresh_inputs_equal_eager(dev: &Device) {
     let k = Kernels::new(dev).expect("kernels");
@@ -258,6 +342,24 @@ fn a_consumer_reading_past_indptr_is_reported_on_the_cpu_backend() {
         )
         .expect_err("reads past indptr");
     assert!(matches!(err, HalError::OutOfBounds { index: 2, len: 2, ref buffer, .. } if buffer == "flat"), "{err}");
+}
+
+/// The CPU reference of the pack refuses an `indptr` entry below 0, naming the row and the value.
+#[test]
+fn a_negative_indptr_entry_is_reported_on_the_cpu_backend() {
+    let dev = Device::cpu().expect("cpu");
+    let k = Kernels::new(&dev).expect("kernels");
+    let s = dev.create_stream().expect("stream");
+    let dense = dev.alloc_from_slice("dense", &[1i32, 2, 3, 4], true).expect("dense");
+    let len = dev.alloc_from_slice("len", &[2i32, 2], true).expect("len");
+    let indptr = dev.alloc_from_slice("indptr", &[0i32, -5, 4], true).expect("indptr");
+    let flat = poisoned(&dev, "flat", 4);
+    check_errors(vec![(
+        "row 1 starting at -5",
+        k.ragged_pack_i32(&s, &dense.view(), &len.view(), &indptr.view(), &flat.view(), 2, None),
+        |e| matches!(e, KernelsError::Hal(HalError::KernelFailed { .. })),
+        words(&["kernel `hf_ragged_pack_i32` failed: indptr[1] = -5 is negative"]),
+    )]);
 }
 
 fn consume(l: &holdfast_hal::CpuLaunch<'_>) -> holdfast_hal::Result<()> {
