@@ -459,6 +459,14 @@ impl ModelForward {
         let mut scratch = std::mem::take(&mut self.scratch);
         match step {
             Some(step) => {
+                let nr = step.query_start_loc.len().saturating_sub(1);
+                if step.req_ids.len() != nr || step.samples.len() != nr {
+                    return Err(ModelError::Step(format!(
+                        "a step of {nr} requests (query_start_loc) has {} request ids and {} sample flags",
+                        step.req_ids.len(),
+                        step.samples.len()
+                    )));
+                }
                 if step.num_tokens() > t || step.num_reqs() > rp {
                     return Err(ModelError::Step(format!(
                         "a step of {} tokens / {} requests does not fit {t} rows ({rp} requests)",

@@ -2,6 +2,8 @@
 
 use std::collections::{BTreeMap, HashSet};
 
+use holdfast_attention::BlockTableUpdates;
+use holdfast_hal::testing::{check_errors, words, ErrorCase};
 use holdfast_model::kv::{BlockPool, KvConfig, KvError, KvManager};
 use proptest::prelude::*;
 
@@ -25,8 +27,6 @@ fn pool_rejects_unusable_sizes() {
     assert!(matches!(BlockPool::new("p", 1, 4), Err(KvError::Config(m)) if m.contains("no usable block")));
     assert!(matches!(BlockPool::new("p", 8, 0), Err(KvError::Config(m)) if m.contains("block_size")));
     assert!(matches!(BlockPool::new("p", 1 << 20, 1 << 12), Err(KvError::Config(m)) if m.contains("overflow i32")));
-    let bad = KvConfig { max_blocks_per_seq_kv: 0, ..cfg(8, 8) };
-    assert!(matches!(KvManager::new(bad), Err(KvError::Config(_))));
 }
 
 #[test]
@@ -159,6 +159,69 @@ fn bad_ids_and_row_widths_are_errors() {
 }
 
 /// Checks every accounting invariant of `kv` against the lengths the test expects it to hold.
+/// Every unusable manager size names the field or pool and the rule it breaks, and table columns
+/// said written past the blocks a request holds name the request, the pool and both counts.
+#[test]
+fn bad_sizes_and_table_columns_name_the_field_and_the_bound() {
+    let new = |c: KvConfig| KvManager::new(c).map(drop);
+    let config: fn(&KvError) -> bool = |e| matches!(e, KvError::Config(_));
+    let mut kv = manager(32, 8);
+    kv.ensure(1, 5).expect("fits"); // 2 SWA blocks of 4, 1 main block of 16
+    let mut out = BlockTableUpdates::new();
+    let cases: Vec<ErrorCase<KvError>> = vec![
+        (
+            "SWA rows without columns",
+            new(KvConfig { max_blocks_per_seq_swa: 0, ..cfg(8, 8) }),
+            config,
+            words(&["kv config: max_blocks_per_seq must be positive", "max_blocks_per_seq_swa: 0"]),
+        ),
+        (
+            "main rows without columns",
+            new(KvConfig { max_blocks_per_seq_kv: 0, ..cfg(8, 8) }),
+            config,
+            words(&["kv config: max_blocks_per_seq must be positive", "max_blocks_per_seq_kv: 0"]),
+        ),
+        (
+            "empty SWA blocks",
+            new(KvConfig { swa_block_size: 0, ..cfg(8, 8) }),
+            config,
+            words(&["kv config: swa: block_size must be positive"]),
+        ),
+        (
+            "main pool of the null block alone",
+            new(cfg(8, 1)),
+            config,
+            words(&["kv config: kv: num_blocks 1 leaves no usable block (block 0 is the null block)"]),
+        ),
+        (
+            "SWA slot ids past i32",
+            new(KvConfig { swa_block_size: 1 << 12, ..cfg(1 << 20, 8) }),
+            config,
+            words(&["kv config: swa: 1048576 blocks × 4096 tokens overflow i32 slot ids"]),
+        ),
+        (
+            "SWA columns past the held blocks",
+            kv.push_table_updates(1, 0, (3, 0), &mut out).map(drop),
+            |e| matches!(e, KvError::ColumnsPastHeld { id: 1, pool: "swa", sent: 3, held: 2 }),
+            words(&["request 1: 3 columns of its swa table row said written, it holds 2 blocks"]),
+        ),
+        (
+            "main columns past the held blocks",
+            kv.push_table_updates(1, 0, (2, 2), &mut out).map(drop),
+            |e| matches!(e, KvError::ColumnsPastHeld { id: 1, pool: "kv", sent: 2, held: 1 }),
+            words(&["request 1: 2 columns of its kv table row said written, it holds 1 blocks"]),
+        ),
+        (
+            "updates of a request holding nothing",
+            kv.push_table_updates(9, 0, (0, 0), &mut out).map(drop),
+            |e| matches!(e, KvError::UnknownRequest(9)),
+            words(&["request 9 holds no KV blocks"]),
+        ),
+    ];
+    check_errors(cases);
+    assert_eq!(out, BlockTableUpdates::new(), "a refused call appends no update");
+}
+
 fn check_invariants(kv: &KvManager, expect: &BTreeMap<u64, usize>) {
     let s = kv.stats();
     assert_eq!(s.swa_used + s.swa_free, s.swa_capacity);

@@ -4,11 +4,16 @@
 
 use std::collections::BTreeMap;
 
+use half::bf16;
+use holdfast_attention::BlockTableConfig;
 use holdfast_graph::{BatchDescriptor, Forward, GraphMode, RuntimeMode, StepKind};
+use holdfast_hal::testing::{check_errors, words, ErrorCase};
 use holdfast_hal::Device;
-use holdfast_model::scheduler::Request;
+use holdfast_model::scheduler::{Request, Step};
+use holdfast_model::weights::Init;
 use holdfast_model::{
-    ForwardLimits, ModelConfig, ModelError, ModelForward, ModelRunner, RunnerSettings, SeededInit, Weights,
+    ForwardLimits, ModelConfig, ModelError, ModelForward, ModelRunner, RunnerSettings, SeededInit, Shard, WeightSource,
+    Weights,
 };
 
 fn settings(mode: GraphMode) -> RunnerSettings {
@@ -201,6 +206,23 @@ fn bad_inputs_are_errors(dev: &Device) {
     let step = sched.schedule().expect("schedule").expect("a step");
     let e = runner.execute(&step).expect_err("100 tokens into a 64-token runner");
     assert!(e.to_string().contains("100 tokens"), "{e}");
+    // A hand-made step whose sample flags or request ids do not match its requests is refused
+    // (it would have sampled a row that has no request).
+    let mut sched = runner.scheduler().expect("scheduler");
+    sched.add(Request { id: 2, prompt: vec![1; 5], max_new_tokens: 1 }).expect("add");
+    let good = sched.schedule().expect("schedule").expect("a step");
+    let mut bad = good.clone();
+    bad.samples.push(true);
+    let e = runner.execute(&bad).expect_err("two sample flags for one request");
+    assert!(
+        e.to_string().contains("a step of 1 requests (query_start_loc) has 1 request ids and 2 sample flags"),
+        "{e}"
+    );
+    let mut bad = good.clone();
+    bad.req_ids.push(9);
+    let e = runner.execute(&bad).expect_err("two request ids for one request");
+    assert!(e.to_string().contains("has 2 request ids and 1 sample flags"), "{e}");
+    runner.execute(&good).expect("the well-formed step still runs");
 
     // A capture's warm-up after a step was staged (lazy capture) is refused, not run on padding.
     let mut sched = other.scheduler().expect("scheduler");
@@ -216,6 +238,47 @@ fn bad_inputs_are_errors(dev: &Device) {
     let e = Forward::prepare(&mut fwd, &s, &desc, StepKind::WarmUp).expect_err("a warm-up over a staged step");
     assert!(e.to_string().contains("overwrite the step staged for 8"), "{e}");
     Forward::prepare(&mut fwd, &s, &desc, StepKind::Step).expect("the staged step is intact and runs");
+    // A run whose rows the forward does not take, or that does not match what was staged, names
+    // both; so does a step staged into fewer rows than it has tokens.
+    let prepare = |fwd: &mut ModelForward, t: u32| {
+        Forward::prepare(fwd, &s, &BatchDescriptor::unpadded(t), StepKind::Step).map_err(ModelError::from)
+    };
+    let graph: fn(&ModelError) -> bool = |e| matches!(e, ModelError::Graph(_));
+    let cases: Vec<ErrorCase<ModelError>> = vec![
+        (
+            "a run with nothing staged",
+            prepare(&mut fwd, 8),
+            graph,
+            words(&["prepare: step input: no step was staged before running the forward"]),
+        ),
+        (
+            "a run of no rows",
+            prepare(&mut fwd, 0),
+            graph,
+            words(&["prepare: step input: a step of 0 token rows; this model runs 1 to 128 (max_num_batched_tokens)"]),
+        ),
+        (
+            "a run past the token limit",
+            prepare(&mut fwd, 129),
+            graph,
+            words(&[
+                "prepare: step input: a step of 129 token rows; this model runs 1 to 128 (max_num_batched_tokens)",
+            ]),
+        ),
+        (
+            "a run of more rows than staged",
+            fwd.stage_step(&step, 8).and_then(|()| prepare(&mut fwd, 16)),
+            graph,
+            words(&["prepare: step input: the step was staged for 8 token rows but runs with 16"]),
+        ),
+        (
+            "a step staged into fewer rows than its tokens",
+            fwd.stage_step(&step, 4),
+            |e| matches!(e, ModelError::Step(_)),
+            words(&["step input: a step of 5 tokens / 1 requests does not fit 4 rows (4 requests)"]),
+        ),
+    ];
+    check_errors(cases);
 
     // Token ids outside the vocabulary: the runner's scheduler refuses them (naming the request),
     // serving included, and staging a hand-made step that carries one fails (never embedded as
@@ -232,20 +295,51 @@ fn bad_inputs_are_errors(dev: &Device) {
     step.token_ids[1] = i32::MAX;
     let e = runner.execute(&step).expect_err("staging an id past the vocabulary");
     assert!(e.to_string().contains("outside the vocabulary"), "{e}");
-    // Logits of more rows than any step holds: an error, whatever the product.
-    assert!(runner.logits(usize::MAX / 2).is_err());
-    assert!(runner.logits(1 << 40).is_err());
+    // Steps of no tokens or of more requests than the runner takes, and logits of more rows than
+    // any step holds (whatever the product), are errors naming the sizes.
+    let nine = Step { req_ids: (0..9).collect(), token_ids: vec![1; 9], ..Step::default() };
+    let step_error: fn(&ModelError) -> bool = |e| matches!(e, ModelError::Step(_));
+    let cases: Vec<ErrorCase<ModelError>> = vec![
+        (
+            "an empty step",
+            runner.execute(&Step::default()).map(drop),
+            step_error,
+            words(&[
+                "step input: a step of 0 tokens / 0 requests; this runner takes 1 to 64 tokens and at most 8 requests",
+            ]),
+        ),
+        (
+            "a step of more requests than the runner takes",
+            runner.execute(&nine).map(drop),
+            step_error,
+            words(&[
+                "step input: a step of 9 tokens / 9 requests; this runner takes 1 to 64 tokens and at most 8 requests",
+            ]),
+        ),
+        (
+            "logits whose element count overflows",
+            runner.logits(usize::MAX / 2).map(drop),
+            step_error,
+            vec![format!("step input: logits of {} rows of {} overflow", usize::MAX / 2, cfg.vocab_size)],
+        ),
+        (
+            "logits past the buffer",
+            runner.logits(1 << 40).map(drop),
+            |e| matches!(e, ModelError::Graph(_)),
+            vec![format!(
+                "view [0, 0+{}) is out of range for buffer `logits` of {} elements",
+                (1usize << 40) * cfg.vocab_size,
+                8 * cfg.vocab_size
+            )],
+        ),
+    ];
+    check_errors(cases);
 
     // Ragged attention lists whose offsets would pass 32 bits are refused before anything loads.
     let wide = RunnerSettings { max_num_batched_tokens: 100_000_000, max_num_seqs: 1, ..settings(GraphMode::None) };
     let e = ModelRunner::check(&cfg, &RunnerSettings { capture_sizes: None, ..wide }).expect_err("i32 offsets");
     assert!(matches!(e, ModelError::Setting { setting: "max_num_batched_tokens", .. }), "{e}");
     assert!(e.to_string().contains("32-bit offsets"), "{e}");
-
-    // Block counts whose SWA block ids pass 32 bits are refused with the setting named.
-    let huge = RunnerSettings { kv_num_blocks: Some(usize::MAX), ..settings(GraphMode::None) };
-    let e = ModelRunner::check(&cfg, &huge).expect_err("too many blocks");
-    assert!(matches!(e, ModelError::Setting { setting: "kv_num_blocks", .. }), "{e}");
 }
 
 holdfast_hal::device_suite!(
@@ -254,6 +348,174 @@ holdfast_hal::device_suite!(
     tokens_do_not_depend_on_prefill_chunking,
     bad_inputs_are_errors
 );
+
+/// Every runner setting the device-free check refuses is an error naming the setting, the bound it
+/// breaks and the value given.
+#[test]
+fn every_rejected_runner_setting_names_the_setting_and_the_bound() {
+    let cfg = ModelConfig::tiny();
+    let check = |f: &dyn Fn(&mut RunnerSettings)| {
+        let mut s = settings(GraphMode::Full);
+        f(&mut s);
+        ModelRunner::check(&cfg, &s)
+    };
+    let setting: fn(&ModelError) -> bool = |e| matches!(e, ModelError::Setting { .. });
+    let mpe = cfg.max_position_embeddings;
+    let cases: Vec<ErrorCase<ModelError>> = vec![
+        (
+            "no requests",
+            check(&|s| s.max_num_seqs = 0),
+            setting,
+            words(&["runner setting `max_num_seqs`: must lie in [1, max_num_batched_tokens 64], got 0"]),
+        ),
+        (
+            "more requests than tokens",
+            check(&|s| s.max_num_seqs = 65),
+            setting,
+            words(&["runner setting `max_num_seqs`: must lie in [1, max_num_batched_tokens 64], got 65"]),
+        ),
+        (
+            "tokens past 31 bits",
+            check(&|s| {
+                s.max_num_batched_tokens = 1 << 31;
+                s.capture_sizes = None;
+            }),
+            setting,
+            words(&["runner setting `max_num_batched_tokens`: must fit in 31 bits"]),
+        ),
+        (
+            "no model length",
+            check(&|s| s.max_model_len = 0),
+            setting,
+            vec![format!("runner setting `max_model_len`: must lie in [1, max_position_embeddings {mpe}], got 0")],
+        ),
+        (
+            "model length past the positions",
+            check(&|s| s.max_model_len = mpe + 1),
+            setting,
+            vec![format!("runner setting `max_model_len`: must lie in [1, max_position_embeddings {mpe}], got {}", mpe + 1)],
+        ),
+        (
+            "unsupported row split",
+            check(&|s| s.attention_row_split = Some(3)),
+            setting,
+            vec![format!("runner setting `attention_row_split`: must be one of {:?}, got 3", holdfast_attention::WG_SPLITS)],
+        ),
+        (
+            "only the null block",
+            check(&|s| s.kv_num_blocks = Some(1)),
+            setting,
+            words(&["runner setting `kv_num_blocks`: needs 2 to 536870911 blocks (one is the null block; block ids are 32-bit), got 1"]),
+        ),
+        (
+            "block ids past 32 bits",
+            check(&|s| s.kv_num_blocks = Some(usize::MAX)),
+            setting,
+            vec![format!("runner setting `kv_num_blocks`: needs 2 to 536870911 blocks (one is the null block; block ids are 32-bit), got {}", usize::MAX)],
+        ),
+        (
+            "capture size past the tokens",
+            check(&|s| s.capture_sizes = Some(vec![1, 128])),
+            setting,
+            words(&["runner setting `capture_sizes`: size 128 exceeds max_num_batched_tokens 64"]),
+        ),
+    ];
+    check_errors(cases);
+}
+
+/// Building a forward refuses limits, lengths and weight shards it cannot serve, and loading refuses
+/// a weight that is not finite; each error names the setting or the weight.
+#[test]
+fn forward_and_weight_errors_name_the_setting_or_the_weight() {
+    let dev = Device::cpu().expect("cpu");
+    let cfg = ModelConfig::tiny();
+    let limits = ForwardLimits { max_num_batched_tokens: 64, max_num_seqs: 8, max_model_len: 512 };
+    let swa = BlockTableConfig { block_size: 64, max_blocks_per_seq: 8, num_blocks: 65 };
+    let kv = BlockTableConfig { block_size: 256, max_blocks_per_seq: 2, num_blocks: 17 };
+    let seeded = || Weights::load(&dev, &cfg, &mut SeededInit { seed: 7 }).expect("weights");
+    let build = |w: Weights, l: ForwardLimits| ModelForward::new(&dev, &cfg, w, l, swa, kv).map(drop);
+    let setting: fn(&ModelError) -> bool = |e| matches!(e, ModelError::Setting { .. });
+    let shard =
+        Weights::load_shard(&dev, &cfg, &mut SeededInit { seed: 7 }, Shard { rank: 1, size: 2 }).expect("shard");
+    let load = |name: &'static str| {
+        Weights::load(&dev, &cfg, &mut NotFinite { name, inner: SeededInit { seed: 7 } }).map(drop)
+    };
+    let cases: Vec<ErrorCase<ModelError>> = vec![
+        (
+            "no tokens",
+            build(seeded(), ForwardLimits { max_num_batched_tokens: 0, ..limits }),
+            setting,
+            words(&["runner setting `limits`: sizes must be positive", "max_num_batched_tokens: 0"]),
+        ),
+        (
+            "no requests",
+            build(seeded(), ForwardLimits { max_num_seqs: 0, ..limits }),
+            setting,
+            words(&["runner setting `limits`: sizes must be positive", "max_num_seqs: 0"]),
+        ),
+        (
+            "no model length",
+            build(seeded(), ForwardLimits { max_model_len: 0, ..limits }),
+            setting,
+            words(&["runner setting `limits`: sizes must be positive", "max_model_len: 0"]),
+        ),
+        (
+            "model length past the positions",
+            build(seeded(), ForwardLimits { max_model_len: cfg.max_position_embeddings + 1, ..limits }),
+            setting,
+            vec![format!(
+                "runner setting `max_model_len`: {} exceeds max_position_embeddings {}",
+                cfg.max_position_embeddings + 1,
+                cfg.max_position_embeddings
+            )],
+        ),
+        (
+            "a shard without its group",
+            build(shard, limits),
+            setting,
+            words(&[
+                "runner setting `tensor_parallel`: the weights are shard 1 of 2 but the communicator is rank 0 of 1",
+            ]),
+        ),
+        (
+            "a bf16 weight that is not finite",
+            load("layers.0.attn.wq_a"),
+            |e| matches!(e, ModelError::Step(_)),
+            words(&["weight layers.0.attn.wq_a: element 3 is not finite"]),
+        ),
+        (
+            "an f32 weight that is not finite",
+            load("hc_head.fn"),
+            |e| matches!(e, ModelError::Step(_)),
+            words(&["weight hc_head.fn: element 3 is not finite"]),
+        ),
+    ];
+    check_errors(cases);
+}
+
+/// A weight source that writes NaN into element 3 of the tensor `name` (and `inner`'s values
+/// everywhere else).
+struct NotFinite {
+    name: &'static str,
+    inner: SeededInit,
+}
+
+impl WeightSource for NotFinite {
+    fn fill_bf16(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [bf16]) -> holdfast_model::Result<()> {
+        self.inner.fill_bf16(name, shape, init, out)?;
+        if name == self.name {
+            out[3] = bf16::NAN;
+        }
+        Ok(())
+    }
+    fn fill_f32(&mut self, name: &str, shape: &[usize], init: Init, out: &mut [f32]) -> holdfast_model::Result<()> {
+        self.inner.fill_f32(name, shape, init, out)?;
+        if name == self.name {
+            out[3] = f32::NAN;
+        }
+        Ok(())
+    }
+}
 
 #[test]
 fn config_errors_name_the_field() {

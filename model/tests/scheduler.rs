@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use holdfast_attention::{CommonAttentionMetadata, CommonConfig};
+use holdfast_hal::testing::{check_errors, words, ErrorCase};
 use holdfast_hal::Device;
 use holdfast_model::kv::{KvConfig, KvManager};
 use holdfast_model::scheduler::{Finished, Request, ScheduleError, Scheduler, SchedulerConfig, Step};
@@ -292,18 +293,64 @@ fn a_request_that_can_never_fit_is_refused_not_livelocked() {
     assert_eq!(done[&1].tokens, alone(&req(1, 30, 3)));
 }
 
+/// Every unusable limit is a config error naming the limit (the config's fields are listed, the
+/// offending one with its value) and the rule it breaks; nothing is allocated.
 #[test]
 fn bad_limits_are_config_errors() {
-    let kv = || KvManager::new(kv_cfg(8, 8)).expect("kv");
-    for c in [
-        cfg(0, 8, 0),
-        cfg(1, 0, 0),
-        SchedulerConfig { max_model_len: 0, ..cfg(1, 8, 0) },
-        SchedulerConfig { vocab_size: 0, ..cfg(1, 8, 0) },
-        SchedulerConfig { vocab_size: (1 << 31) + 1, ..cfg(1, 8, 0) },
-    ] {
-        assert!(matches!(Scheduler::new(c, kv()), Err(ScheduleError::Config(_))), "{c:?}");
-    }
+    let new = |c: SchedulerConfig| Scheduler::new(c, KvManager::new(kv_cfg(8, 8)).expect("kv")).map(drop);
+    let config: fn(&ScheduleError) -> bool = |e| matches!(e, ScheduleError::Config(_));
+    let past_i32 = i32::MAX as usize + 1;
+    let cases: Vec<ErrorCase<ScheduleError>> = vec![
+        (
+            "no requests",
+            new(cfg(0, 8, 0)),
+            config,
+            words(&["scheduler config: limits must be positive", "max_num_seqs: 0"]),
+        ),
+        (
+            "no tokens",
+            new(cfg(1, 0, 0)),
+            config,
+            words(&["scheduler config: limits must be positive", "max_num_batched_tokens: 0"]),
+        ),
+        (
+            "no model length",
+            new(SchedulerConfig { max_model_len: 0, ..cfg(1, 8, 0) }),
+            config,
+            words(&["scheduler config: limits must be positive", "max_model_len: 0"]),
+        ),
+        (
+            "model length past i32",
+            new(SchedulerConfig { max_model_len: past_i32, ..cfg(1, 8, 0) }),
+            config,
+            words(&["token counts must fit in i32", "max_model_len: 2147483648"]),
+        ),
+        (
+            "token budget past i32",
+            new(cfg(1, past_i32, 0)),
+            config,
+            words(&["token counts must fit in i32", "max_num_batched_tokens: 2147483648"]),
+        ),
+        (
+            "empty vocabulary",
+            new(SchedulerConfig { vocab_size: 0, ..cfg(1, 8, 0) }),
+            config,
+            words(&["vocab_size must lie in [1, 2^31]", "vocab_size: 0"]),
+        ),
+        (
+            "vocabulary past 2^31",
+            new(SchedulerConfig { vocab_size: (1 << 31) + 1, ..cfg(1, 8, 0) }),
+            config,
+            words(&["vocab_size must lie in [1, 2^31]", "vocab_size: 2147483649"]),
+        ),
+        (
+            "table rows past u32",
+            new(cfg(1 << 32, 8, 0)),
+            config,
+            words(&["max_num_seqs must fit in u32", "max_num_seqs: 4294967296"]),
+        ),
+    ];
+    check_errors(cases);
 }
 
 #[test]
@@ -592,7 +639,10 @@ fn update_checks_the_step_and_the_samples_and_changes_nothing_on_error() {
     let mut model = FakeModel::new(*s.kv().config());
     s.add(req(1, 4, 2)).expect("ok");
     s.add(req(2, 4, 2)).expect("ok");
-    assert!(matches!(s.update(&Step::default(), &[]), Err(ScheduleError::StaleStep(_))));
+    assert_eq!(
+        s.update(&Step::default(), &[]).expect_err("none in flight").to_string(),
+        "update: no step is in flight"
+    );
     let st = s.schedule().expect("ok").expect("work");
     assert_eq!(s.schedule(), Err(ScheduleError::StepInFlight));
     assert_eq!(s.update(&st, &[1]).expect_err("one short").to_string(), "update: 1 sampled tokens for 2 sampling rows");
@@ -602,7 +652,10 @@ fn update_checks_the_step_and_the_samples_and_changes_nothing_on_error() {
     );
     let mut other = st.clone();
     other.req_ids.swap(0, 1);
-    assert!(matches!(s.update(&other, &[1, 2]), Err(ScheduleError::StaleStep(_))));
+    assert_eq!(
+        s.update(&other, &[1, 2]).expect_err("rows swapped").to_string(),
+        "update: the step given is not the one in flight"
+    );
     assert!(s.has_step_in_flight());
     // Abort: the same tokens are scheduled again.
     s.abort_step();
@@ -610,7 +663,11 @@ fn update_checks_the_step_and_the_samples_and_changes_nothing_on_error() {
     assert_eq!(again, st);
     let sampled = model.run(&s, &again);
     s.update(&again, &sampled).expect("update");
-    assert!(matches!(s.update(&again, &sampled), Err(ScheduleError::StaleStep(_))), "applied twice");
+    assert_eq!(
+        s.update(&again, &sampled),
+        Err(ScheduleError::StaleStep("no step is in flight".into())),
+        "applied twice"
+    );
     assert_eq!(s.generated(1).map(<[i32]>::len), Some(1));
 }
 
