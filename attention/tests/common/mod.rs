@@ -1,6 +1,6 @@
 //! Shared test helpers: random DeepSeek-V4 batches and plain references written from spec §5.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 pub mod sched;
 
@@ -50,30 +50,9 @@ pub fn config(
     }
 }
 
-/// One rejected call of an error table: what it is, its result, the variant it must be, and the
-/// words its message must contain (the field or argument at fault and what is allowed).
-pub type ErrorCase = (&'static str, holdfast_attention::Result<()>, fn(&AttentionError) -> bool, Vec<String>);
-
-/// Checks every case of an error table: an error of the expected variant whose message holds each
-/// of its words.
-pub fn check_errors(cases: Vec<ErrorCase>) {
-    for (what, result, variant, words) in cases {
-        let e = match result {
-            Err(e) => e,
-            Ok(()) => panic!("{what}: expected an error"),
-        };
-        assert!(variant(&e), "{what}: unexpected variant {e:?}");
-        let msg = e.to_string();
-        for w in &words {
-            assert!(msg.contains(w.as_str()), "{what}: `{msg}` should mention `{w}`");
-        }
-    }
-}
-
-/// The words of an [`ErrorCase`].
-pub fn words(w: &[&str]) -> Vec<String> {
-    w.iter().map(|s| (*s).to_owned()).collect()
-}
+/// One rejected call of an error table (the HAL's shared test support).
+pub type ErrorCase = holdfast_hal::testing::ErrorCase<AttentionError>;
+pub use holdfast_hal::testing::{check_errors, words};
 
 /// One step's host inputs, owned. `swa_bt` / `kv_bt` are the spec's full-width per-request rows
 /// (`[num_reqs, max_blocks_per_seq]`, what the references read); the step hands attention only
