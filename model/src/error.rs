@@ -30,6 +30,10 @@ pub enum ModelError {
     /// A step's inputs do not fit what the runner was built for.
     #[error("step input: {0}")]
     Step(String),
+    /// A weight tensor cannot be made (its size overflows or does not fit host memory) or holds a
+    /// value that is not finite; the message names the weight.
+    #[error("weights: {0}")]
+    Weights(String),
     /// A device error.
     #[error(transparent)]
     Hal(#[from] HalError),

@@ -480,13 +480,13 @@ fn forward_and_weight_errors_name_the_setting_or_the_weight() {
         (
             "a bf16 weight that is not finite",
             load("layers.0.attn.wq_a"),
-            |e| matches!(e, ModelError::Step(_)),
+            |e| matches!(e, ModelError::Weights(_)),
             words(&["weight layers.0.attn.wq_a: element 3 is not finite"]),
         ),
         (
             "an f32 weight that is not finite",
             load("hc_head.fn"),
-            |e| matches!(e, ModelError::Step(_)),
+            |e| matches!(e, ModelError::Weights(_)),
             words(&["weight hc_head.fn: element 3 is not finite"]),
         ),
     ];
