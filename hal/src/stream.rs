@@ -529,8 +529,12 @@ impl Event {
         self.inner.synchronize()
     }
 
-    /// Milliseconds of device time between `self` and `end` (both recorded; waits for `end`).
+    /// Milliseconds of device time between `self` and `end` (both recorded on one device; waits
+    /// for `end`).
     pub fn elapsed_ms(&self, end: &Event) -> Result<f32> {
+        if self.device.id != end.device.id {
+            return Err(HalError::DeviceMismatch("elapsed time between events of two devices".into()));
+        }
         if !self.recorded.load(Ordering::Acquire) || !end.recorded.load(Ordering::Acquire) {
             return Err(HalError::EventNotRecorded);
         }

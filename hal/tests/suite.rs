@@ -574,6 +574,15 @@ fn rejected_calls_name_what_is_at_fault_and_what_is_allowed(dev: &Device) {
             words(&["event recorded on a stream of another device"]),
         ),
         (
+            "elapsed time between two devices' events",
+            {
+                let (a, b) = (dev.create_event().expect("a"), other.create_event().expect("b"));
+                a.record(&s).and_then(|()| b.record(&other_stream)).and_then(|()| a.elapsed_ms(&b)).map(drop)
+            },
+            |e| matches!(e, E::DeviceMismatch(_)),
+            words(&["elapsed time between events of two devices"]),
+        ),
+        (
             "synchronize on an event never recorded",
             ev.synchronize(),
             |e| matches!(e, E::EventNotRecorded),
