@@ -235,6 +235,20 @@ pub enum HalError {
         /// What it found.
         message: String,
     },
+    /// A sub-view that runs past the view it is cut from (offsets in elements of the buffer).
+    #[error("view [{offset}, {offset}+{len}) runs past the view [{view_offset}, {view_offset}+{view_len}) of buffer `{buffer}` it is cut from")]
+    InvalidSubView {
+        /// The buffer's label.
+        buffer: String,
+        /// Requested offset in the buffer, in elements.
+        offset: usize,
+        /// Requested length, in elements.
+        len: usize,
+        /// The parent view's offset in the buffer, in elements.
+        view_offset: usize,
+        /// The parent view's length, in elements.
+        view_len: usize,
+    },
     /// A view (offset, length) that does not fit in its buffer.
     #[error("view [{offset}, {offset}+{len}) is out of range for buffer `{buffer}` of {capacity} elements")]
     InvalidView {

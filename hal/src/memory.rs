@@ -233,11 +233,15 @@ impl<T: Element> View<T> {
             Some(end) if end <= self.len => {
                 Ok(View { alloc: self.alloc.clone(), offset: self.offset + offset, len, _t: PhantomData })
             }
-            _ => Err(HalError::InvalidView {
+            _ if self.offset == 0 && self.len * T::DTYPE.size() == self.alloc.bytes => {
+                Err(HalError::InvalidView { buffer: self.alloc.label.clone(), offset, len, capacity: self.len })
+            }
+            _ => Err(HalError::InvalidSubView {
                 buffer: self.alloc.label.clone(),
-                offset: self.offset + offset,
+                offset: self.offset.saturating_add(offset),
                 len,
-                capacity: self.offset + self.len,
+                view_offset: self.offset,
+                view_len: self.len,
             }),
         }
     }

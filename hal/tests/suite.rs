@@ -522,8 +522,8 @@ fn rejected_calls_name_what_is_at_fault_and_what_is_allowed(dev: &Device) {
         (
             "sub-view past the end of its view",
             x.slice(2, 4).and_then(|v| v.slice(3, 2)).map(drop),
-            |e| matches!(e, E::InvalidView { offset: 5, len: 2, .. }),
-            words(&["view [5, 5+2)", "buffer `x`"]),
+            |e| matches!(e, E::InvalidSubView { offset: 5, len: 2, view_offset: 2, view_len: 4, .. }),
+            words(&["view [5, 5+2) runs past the view [2, 2+4) of buffer `x` it is cut from"]),
         ),
         (
             "launch with another device's buffer",
