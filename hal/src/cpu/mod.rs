@@ -134,6 +134,32 @@ impl CpuDevice {
         };
         Ok((DeviceImpl::Cpu(CpuDevice { core: Arc::new(CpuCore::new(capacity)) }), info))
     }
+
+    /// A device allocation of `bytes`, every byte `fill` (poison for `alloc`, zero for mapped
+    /// memory): out-of-memory past the emulated capacity or where the host cannot give it.
+    fn alloc_filled(&self, bytes: usize, label: &str, fill: u8) -> Result<MemImpl> {
+        let oom = || HalError::OutOfMemory { bytes, label: label.to_string() };
+        let before = self.core.used.fetch_add(bytes as u64, Ordering::Relaxed);
+        let data =
+            if before.saturating_add(bytes as u64) > self.core.capacity { None } else { filled_words(bytes, fill) };
+        let Some(data) = data else {
+            self.core.used.fetch_sub(bytes as u64, Ordering::Relaxed);
+            return Err(oom());
+        };
+        let base = self.core.reserve(bytes);
+        let a = Arc::new(CpuAllocation { base, bytes, label: label.to_string(), data: Mutex::new(data) });
+        self.core.table.write().unwrap_or_else(|p| p.into_inner()).insert(base, a);
+        Ok(MemImpl::Cpu(CpuMem { core: self.core.clone(), base }))
+    }
+}
+
+/// The 8-byte words backing `bytes`, every byte `fill`; `None` where the host cannot give them.
+fn filled_words(bytes: usize, fill: u8) -> Option<Box<[u64]>> {
+    let words = bytes.div_ceil(8);
+    let mut data = Vec::new();
+    data.try_reserve_exact(words).ok()?;
+    data.resize(words, u64::from_ne_bytes([fill; 8]));
+    Some(data.into_boxed_slice())
 }
 
 /// Environment variable: the CPU emulator's device memory in bytes (default: nine tenths of the
@@ -159,28 +185,7 @@ fn memory_capacity() -> Result<u64> {
 
 impl DeviceOps for CpuDevice {
     fn alloc(&self, bytes: usize, label: &str) -> Result<MemImpl> {
-        let oom = || HalError::OutOfMemory { bytes, label: label.to_string() };
-        let before = self.core.used.fetch_add(bytes as u64, Ordering::Relaxed);
-        if before.saturating_add(bytes as u64) > self.core.capacity {
-            self.core.used.fetch_sub(bytes as u64, Ordering::Relaxed);
-            return Err(oom());
-        }
-        let words = bytes.div_ceil(8);
-        let mut data = Vec::new();
-        if data.try_reserve_exact(words).is_err() {
-            self.core.used.fetch_sub(bytes as u64, Ordering::Relaxed);
-            return Err(oom());
-        }
-        data.resize(words, u64::from_ne_bytes([POISON; 8]));
-        let base = self.core.reserve(bytes);
-        let a = Arc::new(CpuAllocation {
-            base,
-            bytes,
-            label: label.to_string(),
-            data: Mutex::new(data.into_boxed_slice()),
-        });
-        self.core.table.write().unwrap_or_else(|p| p.into_inner()).insert(base, a);
-        Ok(MemImpl::Cpu(CpuMem { core: self.core.clone(), base }))
+        self.alloc_filled(bytes, label, POISON)
     }
 
     fn write_sync(&self, addr: u64, data: &[u8]) -> Result<()> {
@@ -190,26 +195,13 @@ impl DeviceOps for CpuDevice {
     /// Host memory (not counted against the emulated device memory); a size the host cannot
     /// give is an out-of-memory error, as `cuMemHostAlloc` failing would be.
     fn alloc_pinned(&self, bytes: usize) -> Result<PinnedImpl> {
-        let mut data = Vec::new();
-        if data.try_reserve_exact(bytes.div_ceil(8)).is_err() {
-            return Err(HalError::OutOfMemory { bytes, label: "pinned host memory".into() });
-        }
-        data.resize(bytes.div_ceil(8), 0u64);
-        Ok(PinnedImpl::Cpu(CpuPinned(Arc::new(Mutex::new(data.into_boxed_slice())))))
+        let data = filled_words(bytes, 0)
+            .ok_or_else(|| HalError::OutOfMemory { bytes, label: "pinned host memory".into() })?;
+        Ok(PinnedImpl::Cpu(CpuPinned(Arc::new(Mutex::new(data)))))
     }
 
     fn alloc_mapped(&self, bytes: usize, label: &str) -> Result<MemImpl> {
-        let mem = self.alloc(bytes, label)?;
-        // Zeroed a chunk at a time (no second allocation of the whole size).
-        const CHUNK: usize = 1 << 20;
-        let zeros = vec![0u8; bytes.min(CHUNK)];
-        let mut at = 0;
-        while at < bytes {
-            let n = (bytes - at).min(CHUNK);
-            mem.host_write(at, &zeros[..n])?;
-            at += n;
-        }
-        Ok(mem)
+        self.alloc_filled(bytes, label, 0)
     }
 
     /// The emulator runs every stream's work in its enqueue order: a priority changes nothing.
