@@ -331,7 +331,7 @@ mod tests {
             |e| matches!(e, E::ArenaLocked { buffer } if buffer == WORKSPACE),
             &["locked", "`workspace`"],
         ));
-        crate::error::check_errors(cases);
+        holdfast_hal::testing::check_errors(cases);
         assert_eq!(a.len(), 3, "no rejected allocation added a buffer");
     }
 

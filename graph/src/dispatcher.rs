@@ -589,7 +589,7 @@ mod tests {
                 &["batch of 4 tokens", "allowed modes {PIECEWISE, FULL}", "add NONE to valid_modes"],
             ),
         ];
-        crate::error::check_errors(cases);
+        holdfast_hal::testing::check_errors(cases);
     }
 
     #[test]

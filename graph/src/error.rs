@@ -347,21 +347,6 @@ impl GraphError {
     }
 }
 
-/// One rejected call of a unit test's error table: what it is, its result, the variant it must be
-/// and the words its message must contain (the setting or buffer at fault and what is allowed).
+/// A unit test's error-table row: the HAL's, with a static word list.
 #[cfg(test)]
-pub(crate) type ErrorCase = (&'static str, Result<(), GraphError>, fn(&GraphError) -> bool, &'static [&'static str]);
-
-/// Checks every case of an error table: an error of the expected variant whose message holds each
-/// of its words.
-#[cfg(test)]
-pub(crate) fn check_errors(cases: Vec<ErrorCase>) {
-    for (what, result, variant, words) in cases {
-        let Err(e) = result else { panic!("{what}: expected an error") };
-        assert!(variant(&e), "{what}: unexpected variant {e:?}");
-        let msg = e.to_string();
-        for w in words {
-            assert!(msg.contains(w), "{what}: `{msg}` should mention `{w}`");
-        }
-    }
-}
+pub(crate) type ErrorCase = holdfast_hal::testing::ErrorCase<GraphError, &'static [&'static str]>;

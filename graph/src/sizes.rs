@@ -625,7 +625,7 @@ mod tests {
                 &["multiples of 3", "within the maximum 2", "sizes were [1, 2]"],
             ),
         ];
-        crate::error::check_errors(cases.into_iter().map(|(w, r, v, x)| (w, r.map(|_| ()), v, x)).collect());
+        holdfast_hal::testing::check_errors(cases.into_iter().map(|(w, r, v, x)| (w, r.map(|_| ()), v, x)).collect());
     }
 
     #[test]

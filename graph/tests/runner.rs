@@ -195,7 +195,7 @@ fn every_rejected_key_or_arena_names_it(dev: &Device) {
     let fwd = Synthetic::new(dev, 8, Bug::None).expect("forward");
     let d = dispatcher(GraphMode::Full, 4, 8).expect("dispatcher");
     let unlocked = std::sync::Arc::new(PersistentArena::new(dev));
-    type Case = (&'static str, Result<(), GraphError>, fn(&GraphError) -> bool, &'static [&'static str]);
+    type Case = holdfast_hal::testing::ErrorCase<GraphError, &'static [&'static str]>;
     let cases: Vec<Case> = vec![
         (
             "capture of a descriptor that is no key",
@@ -228,14 +228,7 @@ fn every_rejected_key_or_arena_names_it(dev: &Device) {
             &["persistent arena must be locked"],
         ),
     ];
-    for (what, result, variant, words) in cases {
-        let Err(e) = result else { panic!("{what}: expected an error") };
-        assert!(variant(&e), "{what}: unexpected variant {e:?}");
-        let msg = e.to_string();
-        for w in words {
-            assert!(msg.contains(w), "{what}: `{msg}` should mention `{w}`");
-        }
-    }
+    holdfast_hal::testing::check_errors(cases);
     assert_eq!(r.stats().graphs, 0, "no rejected call captured anything");
 }
 

@@ -47,18 +47,25 @@ macro_rules! device_suite {
 pub fn no_setup(_dev: &crate::Device) {}
 
 /// One rejected call of an error table: what it is, its result, the variant it must be, and the
-/// words its message must contain (what is at fault, and the bound it breaks or what is allowed).
-pub type ErrorCase<E> = (&'static str, std::result::Result<(), E>, fn(&E) -> bool, Vec<String>);
+/// words its message must contain (what is at fault, and the bound it breaks or what is allowed):
+/// owned strings ([`words`]) or a static list.
+pub type ErrorCase<E, W = Vec<String>> = (&'static str, std::result::Result<(), E>, fn(&E) -> bool, W);
 
 /// Checks every case of an error table: an error of the expected variant whose message holds each
 /// of its words. Panics on the first case that does not: this is a test helper.
-pub fn check_errors<E: std::fmt::Debug + std::fmt::Display>(cases: Vec<ErrorCase<E>>) {
+pub fn check_errors<E, W>(cases: Vec<ErrorCase<E, W>>)
+where
+    E: std::fmt::Debug + std::fmt::Display,
+    W: IntoIterator,
+    W::Item: AsRef<str>,
+{
     for (what, result, variant, words) in cases {
         let Err(e) = result else { panic!("{what}: expected an error") };
         assert!(variant(&e), "{what}: unexpected variant {e:?}");
         let msg = e.to_string();
-        for w in &words {
-            assert!(msg.contains(w.as_str()), "{what}: `{msg}` should mention `{w}`");
+        for w in words {
+            let w = w.as_ref();
+            assert!(msg.contains(w), "{what}: `{msg}` should mention `{w}`");
         }
     }
 }
