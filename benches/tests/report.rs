@@ -37,10 +37,17 @@ fn quick_cpu_report_has_finite_positive_times() {
 
 #[test]
 fn an_unknown_device_exits_with_code_2() {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_gpu-report"))
+    // The binary cargo built for this test, or `$HOLDFAST_BIN_DIR/gpu-report` where that is set
+    // (this test executable run on another machine, without the build tree).
+    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpu-report"));
+    let bin = match (std::env::var_os("HOLDFAST_BIN_DIR"), built.file_name()) {
+        (Some(dir), Some(name)) => std::path::PathBuf::from(dir).join(name),
+        _ => built,
+    };
+    let out = std::process::Command::new(&bin)
         .args(["--device", "tpu:0", "--quick"])
         .output()
-        .unwrap_or_else(|e| panic!("spawn: {e}"));
+        .unwrap_or_else(|e| panic!("cannot run {}: {e} (set HOLDFAST_BIN_DIR off the build tree)", bin.display()));
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.starts_with("error:"), "{err}");
