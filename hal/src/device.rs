@@ -299,9 +299,7 @@ impl Device {
     }
 
     fn alloc_impl<T: Element>(&self, label: &str, len: usize, persistent: bool) -> Result<Buffer<T>> {
-        let bytes = len
-            .checked_mul(T::DTYPE.size())
-            .ok_or_else(|| HalError::OutOfMemory { bytes: usize::MAX, label: label.to_string() })?;
+        let bytes = byte_size::<T>(label, len)?;
         let alloc = Allocation::new(self.shared.clone(), bytes, label, persistent)?;
         Ok(Buffer::from_alloc(alloc, len))
     }
@@ -351,9 +349,7 @@ impl Device {
     /// Allocates `len` elements of pinned host memory (zero-filled).
     pub fn alloc_pinned<T: Element>(&self, len: usize) -> Result<PinnedBuffer<T>> {
         self.shared.forbid_during_capture(CaptureOp::Allocate, || "pinned host buffer".into())?;
-        let bytes = len
-            .checked_mul(T::DTYPE.size())
-            .ok_or_else(|| HalError::OutOfMemory { bytes: usize::MAX, label: "pinned".into() })?;
+        let bytes = byte_size::<T>("pinned host buffer", len)?;
         let inner = self.shared.inner.alloc_pinned(bytes)?;
         self.shared.stats.on_pinned_alloc(bytes);
         Ok(PinnedBuffer::from_alloc(Arc::new(PinnedAlloc { bytes, device: self.shared.clone(), inner }), len))
@@ -363,9 +359,7 @@ impl Device {
     /// address space (a [`MappedBuffer`]: kernels read and write it in place, the host writes it
     /// directly). Persistent: captured work may use it.
     pub fn alloc_mapped<T: Element>(&self, label: &str, len: usize) -> Result<MappedBuffer<T>> {
-        let bytes = len
-            .checked_mul(T::DTYPE.size())
-            .ok_or_else(|| HalError::OutOfMemory { bytes: usize::MAX, label: label.to_string() })?;
+        let bytes = byte_size::<T>(label, len)?;
         let alloc = Allocation::new_mapped(self.shared.clone(), bytes, label)?;
         Ok(MappedBuffer::from_alloc(alloc, len))
     }
@@ -459,4 +453,13 @@ fn open_rocm(_name: &str, ordinal: usize) -> Result<(DeviceImpl, DeviceInfo)> {
 #[cfg(not(feature = "rocm"))]
 fn open_rocm(_name: &str, _ordinal: usize) -> Result<(DeviceImpl, DeviceInfo)> {
     Err(HalError::BackendNotCompiled { backend: "rocm", feature: "rocm" })
+}
+
+/// Bytes of `len` elements of `T`, or [`HalError::SizeOverflow`] naming `label`.
+fn byte_size<T: Element>(label: &str, len: usize) -> Result<usize> {
+    len.checked_mul(T::DTYPE.size()).ok_or_else(|| HalError::SizeOverflow {
+        label: label.to_string(),
+        len,
+        elem_bytes: T::DTYPE.size(),
+    })
 }

@@ -86,6 +86,16 @@ pub enum HalError {
         /// Label of the buffer being allocated.
         label: String,
     },
+    /// An allocation's byte size (`len` elements of `elem_bytes` each) overflows the address space.
+    #[error("allocating `{label}`: {len} elements of {elem_bytes} bytes overflow the address space")]
+    SizeOverflow {
+        /// Label of the buffer being allocated.
+        label: String,
+        /// Requested elements.
+        len: usize,
+        /// Bytes per element.
+        elem_bytes: usize,
+    },
     /// The device stopped answering (reset, Xid, removed).
     #[error("device lost: {0}")]
     DeviceLost(String),

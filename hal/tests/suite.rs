@@ -420,20 +420,20 @@ fn rejected_calls_name_what_is_at_fault_and_what_is_allowed(dev: &Device) {
         (
             "allocation whose byte size overflows",
             dev.alloc::<f32>("huge", usize::MAX / 2).map(drop),
-            |e| matches!(e, E::OutOfMemory { label, .. } if label == "huge"),
-            words(&["out of device memory", "for `huge`"]),
+            |e| matches!(e, E::SizeOverflow { label, elem_bytes: 4, .. } if label == "huge"),
+            words(&["`huge`", "elements of 4 bytes overflow the address space"]),
         ),
         (
             "mapped allocation whose byte size overflows",
             dev.alloc_mapped::<f32>("huge_mapped", usize::MAX / 2).map(drop),
-            |e| matches!(e, E::OutOfMemory { label, .. } if label == "huge_mapped"),
-            words(&["out of device memory", "for `huge_mapped`"]),
+            |e| matches!(e, E::SizeOverflow { label, elem_bytes: 4, .. } if label == "huge_mapped"),
+            words(&["`huge_mapped`", "elements of 4 bytes overflow the address space"]),
         ),
         (
             "pinned allocation whose byte size overflows",
             dev.alloc_pinned::<f32>(usize::MAX / 2).map(drop),
-            |e| matches!(e, E::OutOfMemory { label, .. } if label == "pinned"),
-            words(&["out of device memory", "for `pinned`"]),
+            |e| matches!(e, E::SizeOverflow { label, .. } if label == "pinned host buffer"),
+            words(&["`pinned host buffer`", "overflow the address space"]),
         ),
         (
             "upload of the wrong length",
