@@ -217,11 +217,13 @@ impl ModelForward {
             ffn: cfg.moe_intermediate_size / size,
         };
         let ForwardLimits { max_num_batched_tokens: tm, max_num_seqs: sm, max_model_len } = limits;
-        if tm == 0 || sm == 0 || max_model_len == 0 {
-            return Err(ModelError::Setting {
-                setting: "limits",
-                detail: format!("sizes must be positive: {limits:?}"),
-            });
+        for (name, v) in [("max_num_batched_tokens", tm), ("max_num_seqs", sm), ("max_model_len", max_model_len)] {
+            if v == 0 {
+                return Err(ModelError::Setting {
+                    setting: "limits",
+                    detail: format!("{name} must be positive, got 0"),
+                });
+            }
         }
         if max_model_len > cfg.max_position_embeddings {
             return Err(ModelError::Setting {

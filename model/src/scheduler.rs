@@ -289,11 +289,18 @@ pub struct Scheduler {
 impl Scheduler {
     /// A scheduler owning `kv`. Errors when a limit is 0 or a token count overflows `i32`.
     pub fn new(cfg: SchedulerConfig, kv: KvManager) -> Result<Self, ScheduleError> {
-        if cfg.max_num_seqs == 0 || cfg.max_num_batched_tokens == 0 || cfg.max_model_len == 0 {
-            return Err(ScheduleError::Config(format!("limits must be positive: {cfg:?}")));
+        let limits = [
+            ("max_num_seqs", cfg.max_num_seqs),
+            ("max_num_batched_tokens", cfg.max_num_batched_tokens),
+            ("max_model_len", cfg.max_model_len),
+        ];
+        if let Some((name, _)) = limits.iter().find(|(_, v)| *v == 0) {
+            return Err(ScheduleError::Config(format!("{name} must be positive, got 0")));
         }
-        if cfg.max_model_len > i32::MAX as usize || cfg.max_num_batched_tokens > i32::MAX as usize {
-            return Err(ScheduleError::Config(format!("token counts must fit in i32: {cfg:?}")));
+        if let Some((name, v)) = limits[1..].iter().find(|(_, v)| *v > i32::MAX as usize) {
+            return Err(ScheduleError::Config(format!(
+                "{name} {v} does not fit in i32 (token counts are i32 on the device)"
+            )));
         }
         if cfg.vocab_size == 0 || cfg.vocab_size > 1 << 31 {
             return Err(ScheduleError::Config(format!("vocab_size must lie in [1, 2^31]: {cfg:?}")));

@@ -173,13 +173,13 @@ fn bad_sizes_and_table_columns_name_the_field_and_the_bound() {
             "SWA rows without columns",
             new(KvConfig { max_blocks_per_seq_swa: 0, ..cfg(8, 8) }),
             config,
-            words(&["kv config: max_blocks_per_seq must be positive", "max_blocks_per_seq_swa: 0"]),
+            words(&["kv config: max_blocks_per_seq_swa must be positive, got 0"]),
         ),
         (
             "main rows without columns",
             new(KvConfig { max_blocks_per_seq_kv: 0, ..cfg(8, 8) }),
             config,
-            words(&["kv config: max_blocks_per_seq must be positive", "max_blocks_per_seq_kv: 0"]),
+            words(&["kv config: max_blocks_per_seq_kv must be positive, got 0"]),
         ),
         (
             "empty SWA blocks",

@@ -445,19 +445,19 @@ fn forward_and_weight_errors_name_the_setting_or_the_weight() {
             "no tokens",
             build(seeded(), ForwardLimits { max_num_batched_tokens: 0, ..limits }),
             setting,
-            words(&["runner setting `limits`: sizes must be positive", "max_num_batched_tokens: 0"]),
+            words(&["runner setting `limits`: max_num_batched_tokens must be positive, got 0"]),
         ),
         (
             "no requests",
             build(seeded(), ForwardLimits { max_num_seqs: 0, ..limits }),
             setting,
-            words(&["runner setting `limits`: sizes must be positive", "max_num_seqs: 0"]),
+            words(&["runner setting `limits`: max_num_seqs must be positive, got 0"]),
         ),
         (
             "no model length",
             build(seeded(), ForwardLimits { max_model_len: 0, ..limits }),
             setting,
-            words(&["runner setting `limits`: sizes must be positive", "max_model_len: 0"]),
+            words(&["runner setting `limits`: max_model_len must be positive, got 0"]),
         ),
         (
             "model length past the positions",

@@ -301,35 +301,30 @@ fn bad_limits_are_config_errors() {
     let config: fn(&ScheduleError) -> bool = |e| matches!(e, ScheduleError::Config(_));
     let past_i32 = i32::MAX as usize + 1;
     let cases: Vec<ErrorCase<ScheduleError>> = vec![
-        (
-            "no requests",
-            new(cfg(0, 8, 0)),
-            config,
-            words(&["scheduler config: limits must be positive", "max_num_seqs: 0"]),
-        ),
+        ("no requests", new(cfg(0, 8, 0)), config, words(&["scheduler config: max_num_seqs must be positive, got 0"])),
         (
             "no tokens",
             new(cfg(1, 0, 0)),
             config,
-            words(&["scheduler config: limits must be positive", "max_num_batched_tokens: 0"]),
+            words(&["scheduler config: max_num_batched_tokens must be positive, got 0"]),
         ),
         (
             "no model length",
             new(SchedulerConfig { max_model_len: 0, ..cfg(1, 8, 0) }),
             config,
-            words(&["scheduler config: limits must be positive", "max_model_len: 0"]),
+            words(&["scheduler config: max_model_len must be positive, got 0"]),
         ),
         (
             "model length past i32",
             new(SchedulerConfig { max_model_len: past_i32, ..cfg(1, 8, 0) }),
             config,
-            words(&["token counts must fit in i32", "max_model_len: 2147483648"]),
+            words(&["max_model_len 2147483648 does not fit in i32"]),
         ),
         (
             "token budget past i32",
             new(cfg(1, past_i32, 0)),
             config,
-            words(&["token counts must fit in i32", "max_num_batched_tokens: 2147483648"]),
+            words(&["max_num_batched_tokens 2147483648 does not fit in i32"]),
         ),
         (
             "empty vocabulary",
