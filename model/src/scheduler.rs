@@ -299,14 +299,14 @@ impl Scheduler {
         }
         if let Some((name, v)) = limits[1..].iter().find(|(_, v)| *v > i32::MAX as usize) {
             return Err(ScheduleError::Config(format!(
-                "{name} {v} does not fit in i32 (token counts are i32 on the device)"
+                "{name} {v} does not fit in i32 (the device holds token counts as i32)"
             )));
         }
         if cfg.vocab_size == 0 || cfg.vocab_size > 1 << 31 {
-            return Err(ScheduleError::Config(format!("vocab_size must lie in [1, 2^31]: {cfg:?}")));
+            return Err(ScheduleError::Config(format!("vocab_size must lie in [1, 2^31], got {}", cfg.vocab_size)));
         }
         if cfg.max_num_seqs > u32::MAX as usize {
-            return Err(ScheduleError::Config(format!("max_num_seqs must fit in u32: {cfg:?}")));
+            return Err(ScheduleError::Config(format!("max_num_seqs {} does not fit in u32", cfg.max_num_seqs)));
         }
         let rows = cfg.max_num_seqs as u32;
         Ok(Scheduler {

@@ -330,19 +330,19 @@ fn bad_limits_are_config_errors() {
             "empty vocabulary",
             new(SchedulerConfig { vocab_size: 0, ..cfg(1, 8, 0) }),
             config,
-            words(&["vocab_size must lie in [1, 2^31]", "vocab_size: 0"]),
+            words(&["vocab_size must lie in [1, 2^31], got 0"]),
         ),
         (
             "vocabulary past 2^31",
             new(SchedulerConfig { vocab_size: (1 << 31) + 1, ..cfg(1, 8, 0) }),
             config,
-            words(&["vocab_size must lie in [1, 2^31]", "vocab_size: 2147483649"]),
+            words(&["vocab_size must lie in [1, 2^31], got 2147483649"]),
         ),
         (
             "table rows past u32",
             new(cfg(1 << 32, 8, 0)),
             config,
-            words(&["max_num_seqs must fit in u32", "max_num_seqs: 4294967296"]),
+            words(&["max_num_seqs 4294967296 does not fit in u32"]),
         ),
     ];
     check_errors(cases);
