@@ -287,30 +287,36 @@ mod tests {
         let (arena, s, g) = setup();
         let desc = BatchDescriptor::unpadded(8);
         let graphs = [g];
-        let mut cases: Vec<(&str, Result<(), GraphError>, &[&str])> = Vec::new();
+        let mut cases: Vec<holdfast_hal::testing::ErrorCase<GraphError, &[&str]>> = Vec::new();
+        // Non-capturing, so a plain function: the descriptor is rebuilt.
+        let names_desc: fn(&GraphError) -> bool =
+            |e| matches!(e, GraphError::PieceMismatch { desc: d, .. } if *d == BatchDescriptor::unpadded(8));
 
         // A replay whose forward runs one piece more than was captured.
         let mut ctx = PieceCtx::new(&arena, desc, Phase::ReplayPieces, &[], &graphs);
         ctx.piece(&s, |_| Ok(())).expect("the captured piece replays");
         let extra = ctx.piece(&s, |_| panic!("a replayed piece's closure is not called"));
-        cases.push(("extra piece on replay", extra, &["num_tokens=8", "ran piece 1", "only 1 were captured"]));
+        cases.push((
+            "extra piece on replay",
+            extra,
+            names_desc,
+            &["num_tokens=8", "ran piece 1", "only 1 were captured"],
+        ));
 
         // A replay whose forward runs fewer pieces than were captured.
         let ctx = PieceCtx::new(&arena, desc, Phase::ReplayPieces, &[], &graphs);
-        cases.push(("missing piece on replay", ctx.finish().map(|_| ()), &["ran 0 pieces, but 1 were captured"]));
+        cases.push((
+            "missing piece on replay",
+            ctx.finish().map(|_| ()),
+            names_desc,
+            &["ran 0 pieces, but 1 were captured"],
+        ));
 
         // A piecewise capture of a forward that runs no piece at all.
         let ctx = PieceCtx::new(&arena, desc, Phase::CapturePieces, &[], &[]);
-        cases.push(("no piece to capture", ctx.finish().map(|_| ()), &["num_tokens=8", "ran no piece"]));
+        cases.push(("no piece to capture", ctx.finish().map(|_| ()), names_desc, &["num_tokens=8", "ran no piece"]));
 
-        for (what, result, words) in cases {
-            let Err(e) = result else { panic!("{what}: expected an error") };
-            assert!(matches!(&e, GraphError::PieceMismatch { desc: d, .. } if *d == desc), "{what}: {e:?}");
-            let msg = e.to_string();
-            for w in words {
-                assert!(msg.contains(w), "{what}: `{msg}` should mention `{w}`");
-            }
-        }
+        holdfast_hal::testing::check_errors(cases);
         assert!(!s.is_capturing());
     }
 
