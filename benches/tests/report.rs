@@ -37,13 +37,7 @@ fn quick_cpu_report_has_finite_positive_times() {
 
 #[test]
 fn an_unknown_device_exits_with_code_2() {
-    // The binary cargo built for this test, or `$HOLDFAST_BIN_DIR/gpu-report` where that is set
-    // (this test executable run on another machine, without the build tree).
-    let built = std::path::PathBuf::from(env!("CARGO_BIN_EXE_gpu-report"));
-    let bin = match (std::env::var_os("HOLDFAST_BIN_DIR"), built.file_name()) {
-        (Some(dir), Some(name)) => std::path::PathBuf::from(dir).join(name),
-        _ => built,
-    };
+    let bin = holdfast_hal::testing::workspace_binary(env!("CARGO_BIN_EXE_gpu-report"));
     let out = std::process::Command::new(&bin)
         .args(["--device", "tpu:0", "--quick"])
         .output()

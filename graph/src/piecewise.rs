@@ -287,7 +287,7 @@ mod tests {
         let (arena, s, g) = setup();
         let desc = BatchDescriptor::unpadded(8);
         let graphs = [g];
-        let mut cases: Vec<holdfast_hal::testing::ErrorCase<GraphError, &[&str]>> = Vec::new();
+        let mut cases: Vec<crate::error::ErrorCase> = Vec::new();
         // Non-capturing, so a plain function: the descriptor is rebuilt.
         let names_desc: fn(&GraphError) -> bool =
             |e| matches!(e, GraphError::PieceMismatch { desc: d, .. } if *d == BatchDescriptor::unpadded(8));

@@ -70,6 +70,17 @@ where
     }
 }
 
+/// A binary of this workspace for a test to run: `built` (the `env!("CARGO_BIN_EXE_…")` path
+/// cargo gave the test), or the file of that name in `$HOLDFAST_BIN_DIR` where that is set (a test
+/// executable run on another machine, without the build tree).
+pub fn workspace_binary(built: &str) -> std::path::PathBuf {
+    let built = std::path::PathBuf::from(built);
+    match (std::env::var_os("HOLDFAST_BIN_DIR"), built.file_name()) {
+        (Some(dir), Some(name)) => std::path::PathBuf::from(dir).join(name),
+        _ => built,
+    }
+}
+
 /// The words of an [`ErrorCase`].
 pub fn words(w: &[&str]) -> Vec<String> {
     w.iter().map(|s| (*s).to_owned()).collect()

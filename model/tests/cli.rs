@@ -4,18 +4,8 @@
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
-/// The `holdfast` binary: the one cargo built for this test, or `$HOLDFAST_BIN_DIR/holdfast` where
-/// that is set (this test executable run on another machine, without the build tree).
-fn holdfast_bin() -> PathBuf {
-    let built = PathBuf::from(env!("CARGO_BIN_EXE_holdfast"));
-    match (std::env::var_os("HOLDFAST_BIN_DIR"), built.file_name()) {
-        (Some(dir), Some(name)) => PathBuf::from(dir).join(name),
-        _ => built,
-    }
-}
-
 fn holdfast(args: &[&str]) -> Output {
-    let bin = holdfast_bin();
+    let bin = holdfast_hal::testing::workspace_binary(env!("CARGO_BIN_EXE_holdfast"));
     Command::new(&bin).args(args).output().unwrap_or_else(|e| {
         panic!(
             "cannot run {}: {e} (HOLDFAST_BIN_DIR names the folder holding `holdfast` for a test executable run \
