@@ -691,15 +691,30 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
 
 // Split sums of tokens [t0, t0 + count) into s_sum[u][v], in split order (no barrier: the caller
 // syncs before reading s_sum). The partials were written by other blocks during this launch:
-// volatile loads (never a stale L1 line), MHC_SUM_BATCH of them issued before the first add, so a
+// loads from L2 (never a stale L1 line), MHC_SUM_BATCH of them issued before the first add, so a
 // split count up to that (H <= 4096) costs one round trip.
 #define MHC_SUM_BATCH 16
+// A float another block wrote during this launch, read after the acquire that published it: from
+// L2 (NVIDIA: ld.global.cg, never an L1 line), else a volatile load.
+struct MhcFresh {
+    const float* p;
+    __device__ __forceinline__ float operator[](uint64_t i) const {
+#if defined(HF_CUDA)
+        // volatile asm: kept after the barrier that follows the acquire, as the volatile load was.
+        float r;
+        asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p + i));
+        return r;
+#else
+        return *(const volatile float*)(p + i);
+#endif
+    }
+};
 template <int V>
 __device__ __noinline__ void mhc_split_sums(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
                                                float (*s_sum)[32]) {
     for (uint32_t idx = threadIdx.x; idx < count * V; idx += MHC_THREADS) {
         const uint32_t u = idx / V, v = idx % V;
-        const volatile float* p = partials + (uint64_t)(t0 + u) * S * V + v;
+        const MhcFresh p{partials + (uint64_t)(t0 + u) * S * V + v};
         float a = 0.0f;
         for (uint32_t s0 = 0; s0 < S; s0 += MHC_SUM_BATCH) {
             float b[MHC_SUM_BATCH];
@@ -835,7 +850,7 @@ __device__ __forceinline__ void mhc_tile_gates(const float* partials, uint32_t S
     const uint32_t tid = FROM_TOP ? MHC_THREADS - 1 - threadIdx.x : threadIdx.x;
     for (uint32_t idx = tid; idx < count * MHC_N; idx += MHC_THREADS) {
         const uint32_t u = idx / MHC_N, i = idx % MHC_N;
-        const volatile float* p = partials + (uint64_t)(t0 + u) * S * V;
+        const MhcFresh p{partials + (uint64_t)(t0 + u) * S * V};
         float ss = 0.0f, d = 0.0f;
         for (uint32_t s0 = 0; s0 < S; s0 += MHC_SUM_BATCH) {
             float bs[MHC_SUM_BATCH], bd[MHC_SUM_BATCH];
