@@ -83,6 +83,25 @@ __device__ __forceinline__ mhc_u32x4 mhc_repack(const float v[8]) {
 }
 __device__ __forceinline__ bool mhc_aligned16(const void* p) { return (((uint64_t)p) & 15u) == 0; }
 
+// Splits rounded up to 4 (rows of the gate copy, see mhc_gate_copy).
+__device__ __forceinline__ uint32_t mhc_split_pad(uint32_t S) { return (S + 3u) & ~3u; }
+// 16 bytes another block wrote during this launch, read after the acquire that published them:
+// from L2 (NVIDIA: ld.global.cg, never an L1 line; volatile asm, so it stays after the acquire's
+// barrier), else volatile loads.
+__device__ __forceinline__ float4 mhc_ldcg4(const float4* p) {
+    float4 r;
+#if defined(HF_CUDA)
+    asm volatile("ld.global.cg.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+#else
+    const volatile float* f = reinterpret_cast<const volatile float*>(p);
+    r.x = f[0];
+    r.y = f[1];
+    r.z = f[2];
+    r.w = f[3];
+#endif
+    return r;
+}
+
 // 8 bf16 of one row starting at h0 (VEC: one 16-byte load; else element loads, zero past H).
 template <bool VEC>
 __device__ __forceinline__ mhc_u32x4 mhc_load8(const hf_bf16* row, uint32_t h0, uint32_t H) {
@@ -540,6 +559,15 @@ __device__ __forceinline__ void mhc_mma_issue(uint32_t slot, const hf_bf16* resi
     }
 }
 
+// The resident mhc_pre / fused items also keep a copy of each (token, split)'s gate partials (the
+// sum of squares and the n pre dots) as rows [T][1 + n][S_pad] after the partials of T tokens (at
+// a 16-byte boundary), so a gate loads its token's splits with 16-byte loads (MhcOps sizes the
+// workspace for it: plan.rs `workspace_floats`).
+template <int V>
+__device__ __forceinline__ float* mhc_gate_copy(float* partials, uint32_t T, uint32_t S) {
+    return partials + ((((uint64_t)T * S * V) + 3u) & ~(uint64_t)3u);
+}
+
 // VEC: 16-byte copies and loads (H % 8 == 0, aligned pointers), else element loads; the same
 // values either way, so the same bits (a template parameter, so each executed path is one straight
 // run of instructions: at decode sizes the kernel's time goes to fetching them).
@@ -549,7 +577,8 @@ template <int J, int ST, bool FUSED, bool VEC>
 __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
                                 const float* __restrict__ post_in, const float* __restrict__ comb_in,
                                 const float* __restrict__ fn, float* __restrict__ partials, uint32_t H, uint32_t S,
-                                uint32_t split, uint32_t t_begin, uint32_t t_end, uint32_t stages) {
+                                uint32_t split, uint32_t t_begin, uint32_t t_end, uint32_t stages,
+                                float* __restrict__ gcopy = nullptr) {
     constexpr int V = J + 1;
     constexpr int NT = (J + 7) / 8;
     constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;
@@ -682,6 +711,7 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
 #pragma unroll
                 for (int w = 1; w < MHC_MMA_WARPS; ++w) a = a + rb[(w * 16 + row) * V + v];
                 partials[(t * S + split) * V + v] = a;
+                if (gcopy != nullptr && v <= MHC_N) gcopy[(t * (1 + MHC_N) + v) * mhc_split_pad(S) + split] = a;
             }
         }
     }
@@ -841,24 +871,41 @@ __device__ __forceinline__ void mhc_head_gates(const float* __restrict__ scale, 
 // each summed in split order with MHC_SUM_BATCH loads before the first add, as mhc_split_sums
 // does, and the gate as mhc_stream_gate gives it: the bits of mhc_head_gates / mhc_pre_gates.
 // FROM_TOP: the work goes to the block's threads from the last one down, so that loads the low
-// threads issue just before (mhc_split_sums) are in flight together with these.
-template <int V, bool FROM_TOP = false>
+// threads issue just before (mhc_split_sums) are in flight together with these. COPY: the values
+// load from the gate copy `gcopy` (mhc_gate_copy; 16-byte loads of a row's splits) instead.
+template <int V, bool FROM_TOP = false, bool COPY = false>
 __device__ __forceinline__ void mhc_tile_gates(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
                                                uint32_t H, const float* __restrict__ scale,
                                                const float* __restrict__ base, float rms_eps, float eps,
-                                               float (*s_gate)[MHC_N]) {
+                                               float (*s_gate)[MHC_N], const float* gcopy = nullptr) {
     const uint32_t tid = FROM_TOP ? MHC_THREADS - 1 - threadIdx.x : threadIdx.x;
+    const uint32_t pad = mhc_split_pad(S);
     for (uint32_t idx = tid; idx < count * MHC_N; idx += MHC_THREADS) {
         const uint32_t u = idx / MHC_N, i = idx % MHC_N;
         const MhcFresh p{partials + (uint64_t)(t0 + u) * S * V};
+        // The gate copy's rows of this gate (sum of squares, dot i), when there is one.
+        const uint64_t row = (uint64_t)(t0 + u) * (1 + MHC_N);
+        const float4* rs = reinterpret_cast<const float4*>(gcopy + row * pad);
+        const float4* rd = reinterpret_cast<const float4*>(gcopy + (row + 1 + i) * pad);
         float ss = 0.0f, d = 0.0f;
         for (uint32_t s0 = 0; s0 < S; s0 += MHC_SUM_BATCH) {
             float bs[MHC_SUM_BATCH], bd[MHC_SUM_BATCH];
+            if (COPY) {
 #pragma unroll
-            for (int k = 0; k < MHC_SUM_BATCH; ++k) {
-                const bool in = s0 + k < S;
-                bs[k] = in ? p[(uint64_t)(s0 + k) * V] : 0.0f;
-                bd[k] = in ? p[(uint64_t)(s0 + k) * V + 1 + i] : 0.0f;
+                for (int j = 0; j < MHC_SUM_BATCH / 4; ++j) {
+                    const bool in = s0 + 4 * j < S;
+                    const float4 x = in ? mhc_ldcg4(rs + s0 / 4 + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    const float4 y = in ? mhc_ldcg4(rd + s0 / 4 + j) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    bs[4 * j] = x.x, bs[4 * j + 1] = x.y, bs[4 * j + 2] = x.z, bs[4 * j + 3] = x.w;
+                    bd[4 * j] = y.x, bd[4 * j + 1] = y.y, bd[4 * j + 2] = y.z, bd[4 * j + 3] = y.w;
+                }
+            } else {
+#pragma unroll
+                for (int k = 0; k < MHC_SUM_BATCH; ++k) {
+                    const bool in = s0 + k < S;
+                    bs[k] = in ? p[(uint64_t)(s0 + k) * V] : 0.0f;
+                    bd[k] = in ? p[(uint64_t)(s0 + k) * V + 1 + i] : 0.0f;
+                }
             }
 #pragma unroll
             for (int k = 0; k < MHC_SUM_BATCH; ++k)
@@ -1037,9 +1084,10 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
     const uint32_t q = ticket / S, split = ticket % S;
     const uint32_t t_begin = q * a.tile_tokens, t_end = min(a.T, t_begin + a.tile_tokens);
     const uint32_t count = t_end - t_begin, M = (count + 15) / 16;
+    float* gcopy = HEAD ? nullptr : mhc_gate_copy<V>(a.partials, a.T, S);
     mhc_project_mma<J, HEAD ? MHC_ST_HEAD : (FUSED ? MHC_ST_FUSED : MHC_ST_PRE), FUSED, VEC>(
         a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, H, S, split, t_begin, t_end,
-        (a.tile_tokens + 15) / 16);
+        (a.tile_tokens + 15) / 16, gcopy);
     mhc_arrive(a.sync, q);
     mhc_wait(a.sync, q, S);
 
@@ -1051,7 +1099,8 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
     const uint32_t gc = HEAD || g0 >= t_end ? 0u : min(per, t_end - g0);
     if (gc > 0) mhc_split_sums<V>(a.partials, S, g0, gc, s_sum);
     __shared__ float s_tile[MhcResTile<J, FUSED>::max][MHC_N];
-    mhc_tile_gates<V, true>(a.partials, S, t_begin, count, H, a.scale, a.base, a.rms_eps, a.pre_eps, s_tile);
+    mhc_tile_gates<V, true, !HEAD>(a.partials, S, t_begin, count, H, a.scale, a.base, a.rms_eps, a.pre_eps, s_tile,
+                                   gcopy);
     extern __shared__ __align__(16) unsigned char mhc_dyn[];
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, qd = lane % 4;
     const uint32_t h0 = split * MHC_SPLIT_H + warp * 32 + qd * 8;

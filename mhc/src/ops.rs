@@ -17,7 +17,8 @@ pub struct MhcConfig {
     /// Hidden size `H` (4096 for V4-Flash, 7168 for V4-Pro); any `H >= 1` with `n·H <= 2^24`.
     pub hidden: usize,
     /// Most tokens `T` of one call (the largest captured size, or `max_num_batched_tokens`). Sizes
-    /// the workspace: `max_tokens · ceil(H / 256) · 25` f32 and `1 + 2·max_tokens` u32.
+    /// the workspace: `max_tokens · S · 25` f32 of partials plus a `max_tokens · 5 · S` copy of the gate
+    /// partials (`S = ceil(H / 256)`, rounded up to 4 there), and `1 + 2·max_tokens` u32.
     pub max_tokens: usize,
 }
 
@@ -131,7 +132,8 @@ impl MhcOps {
             )));
         }
         let t = config.max_tokens.max(1);
-        let partials = device.alloc_persistent::<f32>("mhc.partials", t * splits(config.hidden) * (PRE_ROWS + 1))?;
+        let partials =
+            device.alloc_persistent::<f32>("mhc.partials", plan::workspace_floats(t, splits(config.hidden)))?;
         let sync = device.alloc_zeroed::<u32>("mhc.sync", 1 + 2 * t, true)?;
         let units = (device.info().compute_units as usize).max(1);
         let has_mma = device.info().has_bf16_mma();

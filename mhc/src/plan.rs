@@ -104,6 +104,13 @@ pub(crate) fn resident_shared_bytes(kind: Reduce, tile: usize) -> u32 {
     (tile.div_ceil(MMA_ROWS) * stage + red) as u32
 }
 
+/// Floats of the split-reduction workspace for `tokens` tokens and `splits` splits: the partials
+/// `[T, S, 25]`, then (from a 16-byte boundary) the resident items' copy of the gate partials
+/// `[T, 5, S rounded up to 4]` (`mhc_gate_copy` in `kernels.cu`).
+pub(crate) fn workspace_floats(tokens: usize, splits: usize) -> usize {
+    (tokens * splits * 25).next_multiple_of(4) + tokens * 5 * splits.next_multiple_of(4)
+}
+
 /// Static shared memory the resident kernels may declare besides the dynamic stages, bytes
 /// (`tests/nvrtc_compile.rs` checks the compiled kernels against it; the HAL gives each kernel
 /// the device's limit less its static).
