@@ -37,12 +37,13 @@ fn at_least(l: &CpuLaunch<'_>, arg: &str, len: usize, need: usize) -> HalResult<
     Ok(())
 }
 
-/// Scalars shared by the split-reduction kernels, checked against the workspace views.
+/// Scalars shared by the split-reduction kernels, checked against the workspace views: `floats(T,
+/// S)` is the partials length the kernel needs for `T` tokens in `S` splits.
 fn check_workspace(
     l: &CpuLaunch<'_>,
     tokens: usize,
     hidden: usize,
-    values: usize,
+    floats: fn(usize, usize) -> usize,
     partials: usize,
     sync: usize,
     tile_at: usize,
@@ -54,7 +55,7 @@ fn check_workspace(
     if tile == 0 || finish == 0 || finish > crate::plan::FINISH_MAX {
         return Err(l.fail(format!("tile_tokens {tile} / finish_tokens {finish} out of range")));
     }
-    at_least(l, "partials", partials, tokens * reference::splits(hidden) * values)?;
+    at_least(l, "partials", partials, floats(tokens, reference::splits(hidden)))?;
     at_least(l, "sync", sync, 1 + 2 * tokens.div_ceil(tile))
 }
 
@@ -77,7 +78,7 @@ fn hc_head_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (partials, sync) = (l.ptr::<f32>(5)?, l.ptr::<u32>(6)?);
     let (t, h) = (l.count(7)?, l.count(8)?);
     let params = HcHeadParams { rms_eps: l.f32(9)?, hc_eps: l.f32(10)? };
-    check_workspace(l, t, h, HC_MULT + 1, partials.len(), sync.len(), 11)?;
+    check_workspace(l, t, h, |t, s| t * s * (HC_MULT + 1), partials.len(), sync.len(), 11)?;
     hc_head_by_reference(l, t, h, &params)
 }
 
@@ -112,7 +113,7 @@ fn pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (partials, sync) = (l.ptr::<f32>(7)?, l.ptr::<u32>(8)?);
     let (t, h) = (l.count(9)?, l.count(10)?);
     let params = pre_params(l, 11)?;
-    check_workspace(l, t, h, PRE_ROWS + 1, partials.len(), sync.len(), 16)?;
+    check_workspace(l, t, h, crate::plan::workspace_floats, partials.len(), sync.len(), 16)?;
     let (n, d) = (HC_MULT, HC_MULT * h);
     at_least(l, "residual", residual.len(), t * d)?;
     at_least(l, "post", post.len(), t * n)?;
@@ -143,7 +144,7 @@ fn fused_post_pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (partials, sync) = (l.ptr::<f32>(11)?, l.ptr::<u32>(12)?);
     let (t, h) = (l.count(13)?, l.count(14)?);
     let params = pre_params(l, 15)?;
-    check_workspace(l, t, h, PRE_ROWS + 1, partials.len(), sync.len(), 20)?;
+    check_workspace(l, t, h, crate::plan::workspace_floats, partials.len(), sync.len(), 20)?;
     let (n, d) = (HC_MULT, HC_MULT * h);
     at_least(l, "x", x.len(), t * h)?;
     at_least(l, "residual", residual.len(), t * d)?;

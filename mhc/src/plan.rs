@@ -5,7 +5,8 @@
 
 use holdfast_hal::LaunchConfig;
 
-use crate::reference::splits;
+use crate::reference::{splits, PRE_ROWS};
+use crate::HC_MULT;
 
 /// Threads per block of the split-reduction kernels (`MHC_THREADS`).
 pub(crate) const THREADS: u32 = 256;
@@ -104,11 +105,12 @@ pub(crate) fn resident_shared_bytes(kind: Reduce, tile: usize) -> u32 {
     (tile.div_ceil(MMA_ROWS) * stage + red) as u32
 }
 
-/// Floats of the split-reduction workspace for `tokens` tokens and `splits` splits: the partials
-/// `[T, S, 25]`, then (from a 16-byte boundary) the resident items' copy of the gate partials
-/// `[T, 5, S rounded up to 4]` (`mhc_gate_copy` in `kernels.cu`).
+/// Floats of the split-reduction workspace `mhc_pre` and the fused op use for `tokens` tokens and
+/// `splits` splits: the partials `[T, S, 1 + n(n + 2)]`, then (from a 16-byte boundary) the
+/// resident items' copy of the gate partials `[T, 1 + n, S rounded up to 4]` (`mhc_gate_copy` in
+/// `kernels.cu`). `hc_head` needs less (`[T, S, 1 + n]`, no copy).
 pub(crate) fn workspace_floats(tokens: usize, splits: usize) -> usize {
-    (tokens * splits * 25).next_multiple_of(4) + tokens * 5 * splits.next_multiple_of(4)
+    (tokens * splits * (PRE_ROWS + 1)).next_multiple_of(4) + tokens * (HC_MULT + 1) * splits.next_multiple_of(4)
 }
 
 /// Static shared memory the resident kernels may declare besides the dynamic stages, bytes
