@@ -57,8 +57,9 @@
 //!   4 streams and holds its weights as mma fragments; the tile's rows are copied into shared
 //!   memory with `cp.async` (three or four m-tiles of 16 ahead) and stay there. After one barrier
 //!   among the tile's items (all partials written) every item sums the gate partials of the
-//!   tile's tokens itself (and, in the same round trip of loads, all partials of its share of
-//!   the tokens) and writes its own 256 `h` of the outputs from shared memory: the residual is
+//!   tile's tokens itself (from a row-major copy the items also write, `[T][1 + n][S]`, with
+//!   16-byte loads; and, in the same round trip of loads, all partials of its share of the
+//!   tokens) and writes its own 256 `h` of the outputs from shared memory: the residual is
 //!   read from memory once. Then each item computes post and comb (Sinkhorn) for its share of
 //!   the tokens. A tile's items wait for each other, so this path runs where the device
 //!   holds at least twice `ceil(H / 256)` blocks at once ([`MhcOps::uses_tensor_cores`]). Up to
