@@ -7,8 +7,10 @@
 //! ```
 //!
 //! `KERNEL` is `auto`, `portable`, `mma` (the tensor-core kernel) or `warpgroup`, optionally with
-//! its row split (`warpgroup/4`); each of the `BATCH` rows attends over a window of
-//! 128 distinct slots plus `EXTRA` more (head_dim 512, the bench's layout, patterned values). It
+//! its row split (`warpgroup/4`; plain `auto` takes the split a runner serving `BATCH` rows takes,
+//! [`SparseAttention::throughput_split`], as the report's default rows do); each of the `BATCH`
+//! rows attends over a window of 128 distinct slots plus `EXTRA` more (head_dim 512, the bench's
+//! layout, patterned values). It
 //! prints the mean time per call over `ITERS` calls after as many warm-up calls, and a hash of the
 //! output (equal hashes: equal bits).
 
@@ -46,6 +48,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let dev = Device::open(&std::env::var("HOLDFAST_DEVICE").unwrap_or_else(|_| "cpu".into()))?;
     let s = dev.create_stream()?;
     let mut k = SparseAttention::with_kernel(&dev, heads, d, kernel)?;
+    // `auto` without a split runs what a runner serving batches of `BATCH` rows runs (the
+    // report's default rows): the throughput split for that many rows.
+    let split = match (kernel, split) {
+        (AttentionKernel::Auto, None) if k.uses_warpgroup() => Some(k.throughput_split(batch)),
+        _ => split,
+    };
     if let Some(n) = split {
         k = k.with_warpgroup_split(&dev, n)?;
     }
