@@ -87,3 +87,9 @@ pub(crate) fn to_graph(op: impl Into<String>, e: ModelError) -> GraphError {
         },
     }
 }
+
+/// The first of `limits` (name, value) that is 0, for an error of the form "`name` must be
+/// positive, got 0".
+pub(crate) fn first_zero<'a>(limits: &[(&'a str, usize)]) -> Option<&'a str> {
+    limits.iter().find(|(_, v)| *v == 0).map(|(name, _)| *name)
+}

@@ -33,7 +33,7 @@ use holdfast_mhc::{
 };
 
 use crate::config::{ModelConfig, HC_POST_ALPHA};
-use crate::error::{to_graph, ModelError, Result};
+use crate::error::{first_zero, to_graph, ModelError, Result};
 use crate::scheduler::Step;
 use crate::weights::{CompressorTensors, HcTensors, Weights};
 
@@ -217,13 +217,10 @@ impl ModelForward {
             ffn: cfg.moe_intermediate_size / size,
         };
         let ForwardLimits { max_num_batched_tokens: tm, max_num_seqs: sm, max_model_len } = limits;
-        for (name, v) in [("max_num_batched_tokens", tm), ("max_num_seqs", sm), ("max_model_len", max_model_len)] {
-            if v == 0 {
-                return Err(ModelError::Setting {
-                    setting: "limits",
-                    detail: format!("{name} must be positive, got 0"),
-                });
-            }
+        if let Some(name) =
+            first_zero(&[("max_num_batched_tokens", tm), ("max_num_seqs", sm), ("max_model_len", max_model_len)])
+        {
+            return Err(ModelError::Setting { setting: "limits", detail: format!("{name} must be positive, got 0") });
         }
         if max_model_len > cfg.max_position_embeddings {
             return Err(ModelError::Setting {

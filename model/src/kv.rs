@@ -349,13 +349,11 @@ fn row_blocks(pool: &BlockPool, max: usize, id: u64, len: usize) -> Result<usize
 impl KvManager {
     /// Builds both pools. Errors on a zero size or a pool whose slot ids overflow `i32`.
     pub fn new(cfg: KvConfig) -> Result<Self, KvError> {
-        for (name, v) in [
+        if let Some(name) = crate::error::first_zero(&[
             ("max_blocks_per_seq_swa", cfg.max_blocks_per_seq_swa),
             ("max_blocks_per_seq_kv", cfg.max_blocks_per_seq_kv),
-        ] {
-            if v == 0 {
-                return Err(KvError::Config(format!("{name} must be positive, got 0")));
-            }
+        ]) {
+            return Err(KvError::Config(format!("{name} must be positive, got 0")));
         }
         let swa = BlockPool::new("swa", cfg.swa_num_blocks, cfg.swa_block_size)?;
         let kv = BlockPool::new("kv", cfg.kv_num_blocks, cfg.kv_block_size)?;

@@ -294,7 +294,7 @@ impl Scheduler {
             ("max_num_batched_tokens", cfg.max_num_batched_tokens),
             ("max_model_len", cfg.max_model_len),
         ];
-        if let Some((name, _)) = limits.iter().find(|(_, v)| *v == 0) {
+        if let Some(name) = crate::error::first_zero(&limits) {
             return Err(ScheduleError::Config(format!("{name} must be positive, got 0")));
         }
         if let Some((name, v)) = limits[1..].iter().find(|(_, v)| *v > i32::MAX as usize) {
