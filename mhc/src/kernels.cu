@@ -85,9 +85,18 @@ __device__ __forceinline__ bool mhc_aligned16(const void* p) { return (((uint64_
 
 // Splits rounded up to 4 (rows of the gate copy, see mhc_gate_copy).
 __device__ __forceinline__ uint32_t mhc_split_pad(uint32_t S) { return (S + 3u) & ~3u; }
-// 16 bytes another block wrote during this launch, read after the acquire that published them:
-// from L2 (NVIDIA: ld.global.cg, never an L1 line; volatile asm, so it stays after the acquire's
-// barrier), else volatile loads.
+// A float / 16 bytes another block wrote during this launch, read after the acquire that
+// published them: from L2 (NVIDIA: ld.global.cg, never an L1 line; volatile asm, so it stays after
+// the acquire's barrier, as a volatile load would), else volatile loads.
+__device__ __forceinline__ float mhc_ldcg(const float* p) {
+#if defined(HF_CUDA)
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+#else
+    return *(const volatile float*)p;
+#endif
+}
 __device__ __forceinline__ float4 mhc_ldcg4(const float4* p) {
     float4 r;
 #if defined(HF_CUDA)
@@ -724,20 +733,10 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
 // loads from L2 (never a stale L1 line), MHC_SUM_BATCH of them issued before the first add, so a
 // split count up to that (H <= 4096) costs one round trip.
 #define MHC_SUM_BATCH 16
-// A float another block wrote during this launch, read after the acquire that published it: from
-// L2 (NVIDIA: ld.global.cg, never an L1 line), else a volatile load.
+// Partials other blocks wrote during this launch, indexed as an array (mhc_ldcg).
 struct MhcFresh {
     const float* p;
-    __device__ __forceinline__ float operator[](uint64_t i) const {
-#if defined(HF_CUDA)
-        // volatile asm: kept after the barrier that follows the acquire, as the volatile load was.
-        float r;
-        asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p + i));
-        return r;
-#else
-        return *(const volatile float*)(p + i);
-#endif
-    }
+    __device__ __forceinline__ float operator[](uint64_t i) const { return mhc_ldcg(p + i); }
 };
 template <int V>
 __device__ __noinline__ void mhc_split_sums(const float* partials, uint32_t S, uint32_t t0, uint32_t count,
