@@ -148,7 +148,7 @@ impl C128aBuilder {
                     (self.cbs as u32).into(),
                     (bt.max_blocks_per_seq as u32).into(),
                 ];
-                s.launch(&self.attn.c128a_decode, row_grid(d, 128), &args)?;
+                s.launch_dependent(&self.attn.c128a_decode, row_grid(d, 128), &args)?;
                 launches += 1;
                 Some(C128aDecode { indices, lens, ragged })
             } else {
@@ -166,7 +166,7 @@ impl C128aBuilder {
                     (w as u32).into(),
                     (C128A_RATIO as u32).into(),
                 ];
-                s.launch(&self.attn.c128a_prefill, row_grid(p, 128), &args)?;
+                s.launch_dependent(&self.attn.c128a_prefill, row_grid(p, 128), &args)?;
                 launches += 1;
                 Some(out)
             } else {

@@ -169,7 +169,7 @@ impl C4aBuilder {
                 (self.cbs as u32).into(),
                 (bt.max_blocks_per_seq as u32).into(),
             ];
-            s.launch(&self.attn.c4a_decode, row_grid(d, C4A_THREADS), &args)?;
+            s.launch_dependent(&self.attn.c4a_decode, row_grid(d, C4A_THREADS), &args)?;
             Ok((Some(C4aDecode { lens, ragged }), 1))
         })?;
         Ok(C4aMetadata { layout, decode, stats: BuildStats { launches, host_syncs } })

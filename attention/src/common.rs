@@ -839,7 +839,7 @@ impl CommonAttentionMetadata {
             (self.tables[1].len() as u32).into(),
         ];
         let threads = words.div_ceil(4).max(capacity);
-        s.launch(&self.attn.step_upload, LaunchConfig::for_elements(threads, UPLOAD_THREADS), &args)?;
+        s.launch_dependent(&self.attn.step_upload, LaunchConfig::for_elements(threads, UPLOAD_THREADS), &args)?;
         Ok(())
     }
 

@@ -59,6 +59,7 @@ HF_KERNEL void hf_dsv4_compressor_store(const float* kv_score, const int32_t* po
                                         const int32_t* block_table, float* state, uint32_t n, uint32_t dim,
                                         uint32_t bs, uint32_t bt_width,
                                         uint32_t state_rows) {
+    hf_dependent_kernel_start();
     const uint32_t w = 2u * dim;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         int32_t req = tok_req[t];
@@ -78,6 +79,7 @@ HF_KERNEL void hf_dsv4_compressor_pool(const float* state, const float* ape, con
                                        uint32_t n, uint32_t ratio,
                                        uint32_t dim, uint32_t rope_dim, uint32_t bs, uint32_t bt_width,
                                        uint32_t state_rows, uint32_t cache_rows, float rope_theta, float eps) {
+    hf_dependent_kernel_start();
     extern __shared__ float pooled[];
     __shared__ float part[HF_CMP_THREADS / 16];
     __shared__ float inv_rms;
@@ -505,7 +507,7 @@ impl Compressor {
                 u(self.table.max_blocks_per_seq).into(),
                 u(self.state_rows()).into(),
             ];
-            s.launch(&self.store, LaunchConfig::blocks(grid, COMPRESSOR_THREADS), &store)?;
+            s.launch_dependent(&self.store, LaunchConfig::blocks(grid, COMPRESSOR_THREADS), &store)?;
             let pool = [
                 state.into(),
                 w.ape.into(),
@@ -529,7 +531,7 @@ impl Compressor {
             ];
             let cfg =
                 LaunchConfig { shared_mem_bytes: (dim * 4) as u32, ..LaunchConfig::blocks(grid, COMPRESSOR_THREADS) };
-            s.launch(&self.pool, cfg, &pool)?;
+            s.launch_dependent(&self.pool, cfg, &pool)?;
             Ok(2)
         })?;
         Ok(BuildStats { launches, host_syncs })

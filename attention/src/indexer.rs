@@ -98,6 +98,7 @@ HF_KERNEL void hf_dsv4_indexer_logits(const hf_bf16* q, const float* w, const hf
                                       uint32_t n, uint32_t heads,
                                       uint32_t dim, uint32_t width, uint32_t cbs, uint32_t bt_width,
                                       uint32_t cache_rows, float scale) {
+    hf_dependent_kernel_start();
     extern __shared__ float sm[];
     float* qs = sm;
     float* wsh = sm + heads * dim;
@@ -398,6 +399,7 @@ __device__ __forceinline__ float hf_topk_threshold(const float* row, uint32_t cn
 HF_KERNEL void __launch_bounds__(HF_TOPK_THREADS)
 hf_dsv4_indexer_topk(const float* scores, const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
                      int32_t* out, int32_t* seg_out, uint32_t n, uint32_t width, uint32_t k, uint32_t segs) {
+    hf_dependent_kernel_start();
     __shared__ uint32_t hist[HF_TOPK_BINS];
     __shared__ uint64_t sel[HF_TOPK_MAXK];
     __shared__ uint64_t cand[HF_TOPK_CAP];
@@ -640,6 +642,7 @@ HF_KERNEL void __launch_bounds__(HF_TOPK_THREADS)
 hf_dsv4_indexer_topk_merge(const float* scores, const int32_t* positions, const int32_t* slots,
                            const int32_t* tok_req, const int32_t* seg_out, int32_t* out, uint32_t n, uint32_t width,
                            uint32_t k, uint32_t segs) {
+    hf_dependent_kernel_start();
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         const uint32_t full = (uint32_t)hf_idx_visible(positions, slots, tok_req, t, width);
         const uint32_t m = full < k ? full : k;
@@ -1170,7 +1173,7 @@ impl Indexer {
                 block: (INDEXER_WARPS * self.warp, 1, 1),
                 shared_mem_bytes: ((h * d + h + INDEXER_WARPS as usize * d) * 4) as u32,
             };
-            s.launch(&self.logits, cfg, &logits)?;
+            s.launch_dependent(&self.logits, cfg, &logits)?;
             let out = out.slice(0, (t * k).max(1).min(out.len()))?;
             let segs = self.topk_segments(t);
             let seg_out = self.seg_out.prefix((t * segs * k).max(1).min(self.seg_out.len()))?;
@@ -1186,7 +1189,7 @@ impl Indexer {
                 u(k).into(),
                 u(segs).into(),
             ];
-            s.launch(&self.select, topk_launch_config(t * segs), &topk)?;
+            s.launch_dependent(&self.select, topk_launch_config(t * segs), &topk)?;
             if segs == 1 {
                 return Ok(2);
             }
@@ -1202,7 +1205,7 @@ impl Indexer {
                 u(k).into(),
                 u(segs).into(),
             ];
-            s.launch(&self.merge, topk_launch_config(t), &merge)?;
+            s.launch_dependent(&self.merge, topk_launch_config(t), &merge)?;
             Ok(3)
         })?;
         Ok(BuildStats { launches, host_syncs })

@@ -45,6 +45,7 @@ HF_KERNEL void hf_dsv4_swa_decode(const int32_t* positions, const int32_t* slots
                                   const int32_t* table_rows, const int32_t* block_table, int32_t* indices,
                                   int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t window,
                                   uint32_t block_size, uint32_t bt_width) {
+    hf_dependent_kernel_start();
     __shared__ int32_t part[1024];
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
@@ -73,6 +74,7 @@ HF_KERNEL void hf_dsv4_swa_decode(const int32_t* positions, const int32_t* slots
 // One thread per prefill request: gather_lens[i] = query_len + min(seq_len - query_len, window - 1).
 HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t* seq_lens, int32_t* out,
                                                uint32_t n, uint32_t window) {
+    hf_dependent_kernel_start();
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         int32_t q = qsl[i + 1] - qsl[i];
         int32_t prefix = seq_lens[i] - q;
@@ -118,6 +120,7 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
                                     const int32_t* table_rows, const int32_t* block_table, int32_t* indices,
                                     int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t width,
                                     uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
+    hf_dependent_kernel_start();
     __shared__ int32_t part[1024];
     __shared__ hf_md_i4 trow4[HF_C128A_TROW / 4];  // 16-byte aligned through its type
     int32_t* trow = trow4[0].v;
@@ -198,6 +201,7 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
 // One block per prefill token: local indices 0 .. n - 1 of its visible compressed entries, -1 after.
 HF_KERNEL void hf_dsv4_c128a_prefill(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
                                      int32_t* indices, uint32_t n, uint32_t width, uint32_t ratio) {
+    hf_dependent_kernel_start();
     for (uint32_t t = blockIdx.x; t < n; t += gridDim.x) {
         bool valid = slots[t] >= 0 && tok_req[t] >= 0;
         uint32_t c = valid ? ((uint32_t)positions[t] + 1u) / ratio : 0u;
@@ -233,6 +237,7 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
                                   const int32_t* tok_req, const int32_t* table_rows, const int32_t* block_table,
                                   int32_t* lens, int32_t* indptr, int32_t* flat, int32_t* sync_i, int32_t* status_i,
                                   uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
+    hf_dependent_kernel_start();
     __shared__ int32_t part[HF_C4A_THREADS];
     __shared__ uint32_t s_ticket, s_last;
     __shared__ int32_t s_base;
@@ -337,6 +342,7 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
 HF_KERNEL void hf_dsv4_step_upload(const int32_t* staging, int32_t* step, int32_t* swa_table, int32_t* kv_table,
                                    uint32_t words, uint32_t at, uint32_t capacity, uint32_t swa_cells,
                                    uint32_t kv_cells) {
+    hf_dependent_kernel_start();
     const uint32_t groups = (words + 3u) / 4u;
     const bool vec = ((reinterpret_cast<uint64_t>(staging) | reinterpret_cast<uint64_t>(step)) & 15u) == 0u;
     const uint32_t stride = gridDim.x * blockDim.x;

@@ -73,6 +73,7 @@ const CODE: &str = r#"
 // cache[slots[t]] = kv[t] for t < T; slots outside [0, S) are skipped. One block per token.
 HF_KERNEL void hf_kv_insert_bf16(const hf_bf16* kv, const int32_t* slots, hf_bf16* cache,
                                  uint32_t T, uint32_t D, uint32_t S) {
+    hf_dependent_kernel_start();
     for (uint32_t t = blockIdx.x; t < T; t += gridDim.x) {
         int32_t s = slots[t];
         if (s < 0 || (uint32_t)s >= S) continue;
@@ -85,6 +86,7 @@ HF_KERNEL void hf_sparse_attn_bf16(const hf_bf16* q, const hf_bf16* main_cache, 
                                    const int32_t* extra_indptr, const float* sink, hf_bf16* out, uint32_t T,
                                    uint32_t H, uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra,
                                    float scale) {
+    hf_dependent_kernel_start();
     extern __shared__ float krow[];
     const uint32_t t = blockIdx.x;
     if (t >= T) return;
@@ -394,6 +396,7 @@ __device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q
              const hf_bf16* extra_cache, const int32_t* extra_idx, const int32_t* extra_indptr, const float* sink,      \
              hf_bf16* out, uint32_t T, uint32_t H, uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra,  \
              float scale) {                                                                                            \
+        hf_dependent_kernel_start();                                                                                   \
         if (D != DIM) return;                                                                                          \
         hf_sparse_attn_mma<MG, DIM, ST>(q, main_cache, main_idx, main_indptr, extra_cache, extra_idx, extra_indptr, sink,   \
                                     out, T, H, S_main, S_extra, has_extra, scale);                                     \
@@ -405,7 +408,7 @@ __device__ __forceinline__ void hf_sparse_attn_mma(const hf_bf16* __restrict__ q
     HF_KERNEL void NAME(const hf_bf16* q, const hf_bf16* main_cache, const int32_t* main_idx,                           \
                         const int32_t* main_indptr, const hf_bf16* extra_cache, const int32_t* extra_idx,              \
                         const int32_t* extra_indptr, const float* sink, hf_bf16* out, uint32_t T, uint32_t H,          \
-                        uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra, float scale) {}
+                        uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra, float scale) { hf_dependent_kernel_start(); }
 #endif
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma16_d64_bf16, 1, 64, 4, 2)
 HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32_d64_bf16, 2, 64, 2, 2)
@@ -902,6 +905,7 @@ hf_sparse_attn_wg64_d512_bf16(const hf_bf16* q, const hf_bf16* main_cache, const
                               const int32_t* main_indptr, const hf_bf16* extra_cache, const int32_t* extra_idx,
                               const int32_t* extra_indptr, const float* sink, hf_bf16* out, uint32_t T, uint32_t H,
                               uint32_t D, uint32_t S_main, uint32_t S_extra, uint32_t has_extra, float scale) {
+    hf_dependent_kernel_start();
 #if defined(HF_ATTN_WG)
     if (D != 512u) return;
     hf_sparse_attn_wg(q, main_cache, main_idx, main_indptr, extra_cache, extra_idx, extra_indptr, sink, out, T, H,
@@ -1466,7 +1470,7 @@ impl SparseAttention {
             u32_of(OP, "D", d)?.into(),
             u32_of(OP, "S", cache.len() / d)?.into(),
         ];
-        s.launch(&self.insert, cfg, &args)?;
+        s.launch_dependent(&self.insert, cfg, &args)?;
         Ok(())
     }
 
@@ -1554,9 +1558,9 @@ impl SparseAttention {
             scale.into(),
         ];
         if split > 1 {
-            s.launch_cluster(kernel, cfg, split as u32, &args)?;
+            s.launch_cluster_dependent(kernel, cfg, split as u32, &args)?;
         } else {
-            s.launch(kernel, cfg, &args)?;
+            s.launch_dependent(kernel, cfg, &args)?;
         }
         Ok(())
     }

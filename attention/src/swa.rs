@@ -142,7 +142,7 @@ impl SwaBuilder {
                     (bt.block_size as u32).into(),
                     (bt.max_blocks_per_seq as u32).into(),
                 ];
-                s.launch(&self.attn.swa_decode, row_grid(d, 128), &args)?;
+                s.launch_dependent(&self.attn.swa_decode, row_grid(d, 128), &args)?;
                 launches += 1;
                 Some(SwaDecode { indices, lens, ragged })
             } else {
@@ -159,7 +159,11 @@ impl SwaBuilder {
                     (p as u32).into(),
                     (self.window as u32).into(),
                 ];
-                s.launch(&self.attn.swa_prefill_gather_lens, holdfast_hal::LaunchConfig::for_elements(p, 128), &args)?;
+                s.launch_dependent(
+                    &self.attn.swa_prefill_gather_lens,
+                    holdfast_hal::LaunchConfig::for_elements(p, 128),
+                    &args,
+                )?;
                 launches += 1;
                 Some(SwaPrefill { gather_lens, seq_lens })
             } else {

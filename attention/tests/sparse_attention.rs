@@ -608,6 +608,18 @@ fn sparse_attention_compiles_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_attention::sparse_attention_source());
 }
 
+/// Every launcher of this crate launches dependent (`Stream::launch_dependent`), which needs every
+/// entry of its four kernel sources to wait for the kernel before it.
+#[cfg(feature = "cuda")]
+#[test]
+fn every_attention_kernel_waits_for_the_kernel_before_it() {
+    use holdfast_hal::testing::assert_entries_wait_for_prior;
+    assert_entries_wait_for_prior(holdfast_attention::sparse_attention_source(), &[]);
+    assert_entries_wait_for_prior(holdfast_attention::source::source(), &[]);
+    assert_entries_wait_for_prior(holdfast_attention::compressor_source(), &[]);
+    assert_entries_wait_for_prior(holdfast_attention::indexer_source(), &[]);
+}
+
 #[cfg(feature = "rocm")]
 #[test]
 fn sparse_attention_compiles_for_gfx90a_with_hiprtc() {

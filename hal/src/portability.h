@@ -246,6 +246,15 @@ __device__ __forceinline__ void hf_grid_dependents_launch() { asm volatile("grid
 __device__ __forceinline__ void hf_grid_dependency_wait() {}
 __device__ __forceinline__ void hf_grid_dependents_launch() {}
 #endif
+// The first statement of a kernel launched with Stream::launch_dependent: lets the next
+// dependent launch begin (its blocks then wait in their own start), then waits for the kernel
+// before this one. Every block runs it before any memory access and before any early return: a
+// kernel whose blocks could finish before that wait would let the kernel after it pass its own
+// wait while the one before still runs.
+__device__ __forceinline__ void hf_dependent_kernel_start() {
+    hf_grid_dependents_launch();
+    hf_grid_dependency_wait();
+}
 
 #if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 800)
 #define HF_HAS_MMA 1

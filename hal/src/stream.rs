@@ -167,6 +167,9 @@ impl Stream {
     /// header) before it touches any memory that earlier work on the stream reads or writes: that
     /// call returns once every earlier kernel has finished and its writes are visible. Elsewhere
     /// (other devices, HIP, the CPU backend) this is an ordinary launch and the call is a no-op.
+    /// On a device where the launch is dependent, a kernel whose compiled code has no such wait is
+    /// refused ([`HalError::InvalidLaunch`]; nothing runs). `HOLDFAST_DEPENDENT_LAUNCH=off` turns
+    /// dependent launches into ordinary ones for the process (`cuda::DEPENDENT_LAUNCH_ENV`).
     pub fn launch_dependent(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
         self.launch_with(kernel, cfg, args, LaunchMode { dependent: true, cluster: 1 })
     }
@@ -181,6 +184,29 @@ impl Stream {
     /// an [`HalError::InvalidLaunch`] and nothing runs. The CPU backend, which stands for an
     /// sm_90 device, checks the same and runs the kernel's reference as for any launch.
     pub fn launch_cluster(&self, kernel: &Kernel, cfg: LaunchConfig, cluster: u32, args: &[Arg]) -> Result<()> {
+        self.cluster_launch(kernel, cfg, cluster, args, false)
+    }
+
+    /// [`Stream::launch_cluster`] as a dependent launch ([`Stream::launch_dependent`]: the kernel
+    /// must wait for the kernel before it).
+    pub fn launch_cluster_dependent(
+        &self,
+        kernel: &Kernel,
+        cfg: LaunchConfig,
+        cluster: u32,
+        args: &[Arg],
+    ) -> Result<()> {
+        self.cluster_launch(kernel, cfg, cluster, args, true)
+    }
+
+    fn cluster_launch(
+        &self,
+        kernel: &Kernel,
+        cfg: LaunchConfig,
+        cluster: u32,
+        args: &[Arg],
+        dependent: bool,
+    ) -> Result<()> {
         check_cluster(&self.device.info, kernel.name(), cluster)?;
         if !cfg.grid.0.is_multiple_of(cluster) {
             return Err(HalError::InvalidLaunch {
@@ -188,7 +214,7 @@ impl Stream {
                 detail: format!("grid {:?}: x must be a multiple of the cluster's {cluster} blocks", cfg.grid),
             });
         }
-        self.launch_with(kernel, cfg, args, LaunchMode { dependent: false, cluster })
+        self.launch_with(kernel, cfg, args, LaunchMode { dependent, cluster })
     }
 
     fn launch_with(&self, kernel: &Kernel, cfg: LaunchConfig, args: &[Arg], mode: LaunchMode) -> Result<()> {

@@ -30,3 +30,19 @@ fn a_kernel_with_a_syntax_error_reports_the_compiler_log() {
         other => panic!("expected a compile error, got {:?}", other.map(|(c, _)| c.len())),
     }
 }
+
+#[test]
+fn the_dependent_demo_kernel_waits_for_the_kernel_before_it_and_the_plain_one_does_not() {
+    if cuda::nvrtc_unavailable_reason().is_some() {
+        assert!(std::env::var_os("HOLDFAST_REQUIRE_NVRTC").is_none(), "NVRTC is required here");
+        eprintln!("skipped: NVRTC is not available");
+        return;
+    }
+    let (_, ptx) = cuda::compile(demo_kernels::source(), "sm_90a", 32).expect("compiles");
+    let ptx = String::from_utf8_lossy(&ptx);
+    assert!(cuda::ptx_entry_waits_for_prior(&ptx, "hf_touch_dependent"));
+    assert!(!cuda::ptx_entry_waits_for_prior(&ptx, "hf_touch"));
+    // Before sm_90 the portability header compiles the wait to nothing.
+    let (_, ptx80) = cuda::compile(demo_kernels::source(), "sm_80", 32).expect("compiles");
+    assert!(!cuda::ptx_entry_waits_for_prior(&String::from_utf8_lossy(&ptx80), "hf_touch_dependent"));
+}

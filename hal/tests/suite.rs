@@ -869,6 +869,23 @@ fn dependent_launches_keep_their_order(dev: &Device) {
     s.launch(&kernel(dev, "hf_scale"), cfg(n), &[(&x).into(), (&x).into(), 0.5f32.into(), (n as u32).into()])
         .expect("scale");
     assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![(2 * k) as f32; n]);
+    // A kernel with no wait in its code is refused where the launch would be dependent (it
+    // would run beside the kernel before it); elsewhere the launch is ordinary and runs.
+    let info = dev.info();
+    let off = std::env::var("HOLDFAST_DEPENDENT_LAUNCH").is_ok_and(|v| matches!(v.trim(), "off" | "0"));
+    let dependent = info.backend == BackendKind::Cuda && info.arch.starts_with("sm_9") && !off;
+    let plain = kernel(dev, "hf_touch");
+    match s.launch_dependent(&plain, cfg(n), &[(&x).into(), (n as u32).into()]) {
+        Err(HalError::InvalidLaunch { kernel, detail }) if dependent => {
+            assert_eq!(kernel, "hf_touch");
+            assert!(detail.contains("hf_grid_dependency_wait"), "{detail}");
+            assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![(2 * k) as f32; n], "nothing ran");
+        }
+        Ok(()) if !dependent => {
+            assert_eq!(s.copy_to_host_sync(&x.view()).expect("x"), vec![(2 * k + 1) as f32; n], "ordinary launch");
+        }
+        other => panic!("dependent launch of a kernel without a wait on {} ({}): {other:?}", info.name, info.arch),
+    }
 }
 
 fn mapped_host_memory_is_used_in_place(dev: &Device) {

@@ -372,11 +372,11 @@ impl DenseKernels {
                 MmaKernel::Tiled => 4,
             };
             let kernel = &mma[base + usize::from(f32_out)];
-            s.launch(kernel, g.mma_launch_config(), &args)?;
+            s.launch_dependent(kernel, g.mma_launch_config(), &args)?;
             return Ok(());
         }
         let kernel = if g.uses_small_t_kernel() { small_t } else { tiled };
-        s.launch(kernel, g.launch_config(), &args[..7])?;
+        s.launch_dependent(kernel, g.launch_config(), &args[..7])?;
         Ok(())
     }
 
@@ -422,7 +422,7 @@ impl DenseKernels {
             u32_of(OP, "dim", dim)?.into(),
             eps.into(),
         ];
-        s.launch(&self.rms_norm, row_grid(rows, NORM_THREADS as u32), &args)?;
+        s.launch_dependent(&self.rms_norm, row_grid(rows, NORM_THREADS as u32), &args)?;
         Ok(())
     }
 
@@ -463,7 +463,7 @@ impl DenseKernels {
             theta.into(),
             (if inverse { -1.0f32 } else { 1.0f32 }).into(),
         ];
-        s.launch(&self.rope, stride_grid(product(OP, &[tokens, heads, rope_dim / 2])?, 256), &args)?;
+        s.launch_dependent(&self.rope, stride_grid(product(OP, &[tokens, heads, rope_dim / 2])?, 256), &args)?;
         Ok(())
     }
 
@@ -493,7 +493,7 @@ impl DenseKernels {
             u32_of(OP, "ffn", ffn)?.into(),
             limit.into(),
         ];
-        s.launch(&self.swiglu, stride_grid(product(OP, &[tokens, ffn])?, 256), &args)?;
+        s.launch_dependent(&self.swiglu, stride_grid(product(OP, &[tokens, ffn])?, 256), &args)?;
         Ok(())
     }
 
@@ -523,7 +523,7 @@ impl DenseKernels {
             u32_of(OP, "hidden", hidden)?.into(),
             u32_of(OP, "vocab", vocab)?.into(),
         ];
-        s.launch(&self.embed, stride_grid(product(OP, &[tokens, hidden])?, 256), &args)?;
+        s.launch_dependent(&self.embed, stride_grid(product(OP, &[tokens, hidden])?, 256), &args)?;
         Ok(())
     }
 
@@ -535,7 +535,7 @@ impl DenseKernels {
         need(OP, "logits", logits.len(), &[rows, cols])?;
         need(OP, "out", out.len(), &[rows])?;
         let args = [logits.into(), out.into(), u32_of(OP, "rows", rows)?.into(), u32_of(OP, "cols", cols)?.into()];
-        s.launch(&self.argmax, row_grid(rows, ARGMAX_THREADS), &args)?;
+        s.launch_dependent(&self.argmax, row_grid(rows, ARGMAX_THREADS), &args)?;
         Ok(())
     }
 
@@ -560,7 +560,7 @@ impl DenseKernels {
             u32_of(OP, "copies", copies)?.into(),
             u32_of(OP, "hidden", hidden)?.into(),
         ];
-        s.launch(&self.repeat_rows, stride_grid(product(OP, &[tokens, copies, hidden])?, 256), &args)?;
+        s.launch_dependent(&self.repeat_rows, stride_grid(product(OP, &[tokens, copies, hidden])?, 256), &args)?;
         Ok(())
     }
 
@@ -571,7 +571,7 @@ impl DenseKernels {
         need(OP, "x", x.len(), &[n])?;
         need(OP, "y", y.len(), &[n])?;
         let args = [x.into(), y.into(), u32_of(OP, "n", n)?.into()];
-        s.launch(&self.to_bf16, stride_grid(n, 256), &args)?;
+        s.launch_dependent(&self.to_bf16, stride_grid(n, 256), &args)?;
         Ok(())
     }
 }

@@ -103,7 +103,7 @@ fn launch_pack(
         hi.into(),
         check.into(),
     ];
-    s.launch(kernel, row_grid(rows, threads), &args)?;
+    s.launch_dependent(kernel, row_grid(rows, threads), &args)?;
     Ok(())
 }
 
@@ -146,7 +146,7 @@ impl Kernels {
     /// Sets every element of `out` to `value`.
     pub fn fill_i32(&self, s: &Stream, out: &View<i32>, value: i32) -> Result<()> {
         let n = u32_of("fill_i32", "out.len()", out.len())?;
-        s.launch(&self.fill_i32, stride_grid(out.len(), 256), &[out.into(), value.into(), n.into()])?;
+        s.launch_dependent(&self.fill_i32, stride_grid(out.len(), 256), &[out.into(), value.into(), n.into()])?;
         Ok(())
     }
 
@@ -197,7 +197,7 @@ impl Kernels {
             u32_of(OP, "src_stride", src_stride)?.into(),
             u32_of(OP, "dst_stride", dst_stride)?.into(),
         ];
-        s.launch(&self.copy_rows_i32, row_grid(rows, 128), &args)?;
+        s.launch_dependent(&self.copy_rows_i32, row_grid(rows, 128), &args)?;
         Ok(())
     }
 
@@ -215,7 +215,7 @@ impl Kernels {
             u32_of(OP, "out.len()", out.len())?.into(),
             u32_of(OP, "src.len()", src.len())?.into(),
         ];
-        s.launch(&self.gather_i32, stride_grid(out.len(), 256), &args)?;
+        s.launch_dependent(&self.gather_i32, stride_grid(out.len(), 256), &args)?;
         Ok(())
     }
 
@@ -230,7 +230,11 @@ impl Kernels {
             ));
         }
         let n = u32_of(OP, "len.len()", len.len())?;
-        s.launch(&self.scan_i32, LaunchConfig::blocks(1, SCAN_THREADS), &[len.into(), indptr.into(), n.into()])?;
+        s.launch_dependent(
+            &self.scan_i32,
+            LaunchConfig::blocks(1, SCAN_THREADS),
+            &[len.into(), indptr.into(), n.into()],
+        )?;
         Ok(())
     }
 

@@ -389,6 +389,15 @@ fn kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_kernels::source());
 }
 
+/// Every launcher of this crate launches dependent (`Stream::launch_dependent`), which needs every
+/// entry to wait for the kernel before it.
+#[cfg(feature = "cuda")]
+#[test]
+fn every_kernel_waits_for_the_kernel_before_it() {
+    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_kernels::source(), &[]);
+    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_kernels::dense_source(), &[]);
+}
+
 #[cfg(feature = "rocm")]
 #[test]
 fn kernels_compile_for_gfx90a_with_hiprtc() {

@@ -65,7 +65,7 @@ impl MhcOps {
             return Ok(());
         }
         let p = self.reduce_plan(Reduce::Fused, t);
-        stream.launch(
+        stream.launch_dependent(
             &self.kernels.fused_post_pre,
             p.config,
             &[

@@ -41,7 +41,7 @@ impl MhcOps {
             return Ok(());
         }
         if self.uses_clusters(MhcOp::HcHead) {
-            stream.launch_cluster(
+            stream.launch_cluster_dependent(
                 &self.kernels.hc_head_cluster,
                 plan::cluster_head(t, h, self.head_cluster_slots),
                 plan::cluster_blocks(h) as u32,
@@ -60,7 +60,7 @@ impl MhcOps {
             return Ok(());
         }
         let p = self.reduce_plan(Reduce::Head, t);
-        stream.launch(
+        stream.launch_dependent(
             &self.kernels.hc_head,
             p.config,
             &[

@@ -1193,6 +1193,7 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_HEAD) mhc_hc_head_n4(
     const hf_bf16* residual, const float* fn, const float* scale, const float* base, hf_bf16* out, float* partials,
     uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float hc_eps, uint32_t tile_tokens, uint32_t finish_tokens,
     uint32_t resident) {
+    hf_dependent_kernel_start();
     const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H;
     if (T == 0 || tile_tokens == 0) return;  // host bug: never hang
     const uint32_t Q = (T + tile_tokens - 1) / tile_tokens;
@@ -1231,6 +1232,7 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_PRE) mhc_pre_n4(
     hf_bf16* layer_input, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float pre_eps,
     float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens,
     uint32_t resident) {
+    hf_dependent_kernel_start();
     MhcPreArgs a;
     a.x_in = nullptr; a.residual = residual; a.post_in = nullptr; a.comb_in = nullptr;
     a.fn = fn; a.scale = scale; a.base = base; a.residual_out = nullptr;
@@ -1249,6 +1251,7 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_FUSED) mhc_fused_post_p
     hf_bf16* layer_input, float* partials, uint32_t* sync, uint32_t T, uint32_t H, float rms_eps, float pre_eps,
     float sinkhorn_eps, float post_mult, uint32_t iters, uint32_t tile_tokens, uint32_t finish_tokens,
     uint32_t resident) {
+    hf_dependent_kernel_start();
     MhcPreArgs a;
     a.x_in = x_in; a.residual = residual; a.post_in = post_in; a.comb_in = comb_in;
     a.fn = fn; a.scale = scale; a.base = base; a.residual_out = residual_out;
@@ -1291,6 +1294,7 @@ __device__ __forceinline__ void mhc_post_body(const hf_bf16* x, const hf_bf16* r
 HF_KERNEL void __launch_bounds__(MHC_POST_THREADS) mhc_post_n4(
     const hf_bf16* x, const hf_bf16* residual, const float* post, const float* comb, hf_bf16* out, uint32_t T,
     uint32_t H, uint32_t tokens_per_block) {
+    hf_dependent_kernel_start();
     const bool vec = (H % MHC_CHUNK == 0) && mhc_aligned16(x) && mhc_aligned16(residual) && mhc_aligned16(out);
     if (vec)
         mhc_post_body<true>(x, residual, post, comb, out, T, H, tokens_per_block);
@@ -1358,6 +1362,7 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     mhc_hc_head_cluster_n4(const hf_bf16* __restrict__ residual, const float* __restrict__ hc_fn,
                            const float* __restrict__ scale, const float* __restrict__ base,
                            hf_bf16* __restrict__ out, uint32_t T, uint32_t H, float rms_eps, float hc_eps) {
+    hf_dependent_kernel_start();
 #if defined(HF_HAS_CLUSTERS)
     // Dynamic: MHC_CL_BUFS tile buffers [MHC_CL_TILE][4][Hs] bf16.
     extern __shared__ __align__(16) unsigned char mhc_cl_smem[];

@@ -34,7 +34,7 @@ impl MhcOps {
             return Ok(());
         }
         let (cfg, per_block) = plan::post(t, h);
-        stream.launch(
+        stream.launch_dependent(
             &self.kernels.post,
             cfg,
             &[

@@ -38,7 +38,7 @@ impl MhcOps {
             return Ok(());
         }
         let p = self.reduce_plan(Reduce::Pre, t);
-        stream.launch(
+        stream.launch_dependent(
             &self.kernels.pre,
             p.config,
             &[

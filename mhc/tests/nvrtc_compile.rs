@@ -26,6 +26,13 @@ fn mhc_kernels_compile_for_sm_90() {
     }
 }
 
+/// The launchers launch dependent (`Stream::launch_dependent`), which needs every entry to wait
+/// for the kernel before it.
+#[test]
+fn every_mhc_kernel_waits_for_the_kernel_before_it() {
+    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_mhc::source(), &[]);
+}
+
 /// The split-reduction kernels' static shared memory stays within the 8 KiB the launch plan
 /// leaves beside a resident tile's dynamic stages (`RESIDENT_STATIC_MAX` in `src/plan.rs`), so the
 /// largest tiles fit a block. Each entry's `.nv.shared.<entry>` section of an sm_90 CUBIN also

@@ -123,6 +123,24 @@ pub(crate) fn compile_inner(src: &KernelSource, arch: &str, warp: u32) -> Result
     out
 }
 
+/// Whether entry point `entry` of the PTX text `ptx` waits for the kernel launched before it
+/// (`griddepcontrol.wait`, what `hf_grid_dependency_wait()` compiles to on sm_90 and newer), so
+/// that a programmatic dependent launch of it ([`crate::Stream::launch_dependent`]) is ordered
+/// after that kernel's writes. Device functions are inlined into their entry, so the entry's own
+/// body is what is searched: from its `.entry` line to the next top-level function. `false` when
+/// the entry is not in `ptx`.
+pub fn ptx_entry_waits_for_prior(ptx: &str, entry: &str) -> bool {
+    let Some(start) = ptx.match_indices(".entry ").map(|(i, _)| i + ".entry ".len()).find(|&i| {
+        let rest = &ptx[i..];
+        rest.strip_prefix(entry).is_some_and(|r| r.trim_start().starts_with('('))
+    }) else {
+        return false;
+    };
+    let body = &ptx[start..];
+    let end = [".entry ", ".func "].iter().filter_map(|m| body.find(m)).min().unwrap_or(body.len());
+    body[..end].contains("griddepcontrol.wait")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,5 +189,24 @@ mod tests {
         assert!(!compile_cached_in(&a, "sm_90", 64, Some(&dir)).expect("warp 64").1, "changed warp width");
         assert!(!compile_cached_in(&a, "sm_90", 32, None).expect("no cache").1);
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    const PTX: &str = "\
+.version 8.8
+.target sm_90a
+.visible .entry plain(\n\t.param .u64 p\n)\n{\n\tret;\n}
+.visible .entry plain_dependent(\n\t.param .u64 p\n)\n{\n\tgriddepcontrol.launch_dependents;\n\tgriddepcontrol.wait;\n\tret;\n}
+.visible .entry late(\n)\n{\n\tret;\n}
+.func helper()\n{\n\tgriddepcontrol.wait;\n\tret;\n}
+";
+
+    #[test]
+    fn finds_the_wait_in_the_entrys_own_body_only() {
+        assert!(ptx_entry_waits_for_prior(PTX, "plain_dependent"));
+        // `plain` is a prefix of `plain_dependent`, whose body holds a wait: not this entry's.
+        assert!(!ptx_entry_waits_for_prior(PTX, "plain"));
+        // A wait in a function after the entry is not the entry's.
+        assert!(!ptx_entry_waits_for_prior(PTX, "late"));
+        assert!(!ptx_entry_waits_for_prior(PTX, "missing"));
     }
 }

@@ -25,7 +25,7 @@ mod loader;
 mod nccl;
 
 pub(crate) use comm::CudaComm;
-pub use compile::{compile, nvrtc_unavailable_reason, nvrtc_version};
+pub use compile::{compile, nvrtc_unavailable_reason, nvrtc_version, ptx_entry_waits_for_prior};
 pub use kcache::{kernel_cache_dir, KERNEL_CACHE_ENV};
 
 use std::ffi::{c_void, CString};
@@ -79,6 +79,20 @@ pub(crate) struct CudaDevice {
     smem_optin: i32,
     /// Compute capability major version.
     sm_major: i32,
+    /// Programmatic dependent launches are issued as such (sm_90 and newer, unless
+    /// [`DEPENDENT_LAUNCH_ENV`] turns them off).
+    dependent_launch: bool,
+}
+
+/// Environment variable that turns programmatic dependent launch off for the process when set to
+/// `off` or `0`: [`crate::Stream::launch_dependent`] then issues ordinary, fully ordered
+/// launches (the kernels' waits return at once). For ruling it out when chasing a bug, and for
+/// timing a step with and without it on one binary.
+pub const DEPENDENT_LAUNCH_ENV: &str = "HOLDFAST_DEPENDENT_LAUNCH";
+
+/// Whether `value` (of [`DEPENDENT_LAUNCH_ENV`]) leaves programmatic dependent launch on.
+fn dependent_launch_allowed(value: Option<&std::ffi::OsStr>) -> bool {
+    !matches!(value.and_then(|v| v.to_str()).map(str::trim), Some("off" | "0"))
 }
 
 impl CudaDevice {
@@ -118,7 +132,9 @@ impl CudaDevice {
             max_shared_mem_per_block: smem_optin as u32,
         };
         let upload = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        Ok((DeviceImpl::Cuda(CudaDevice { ctx, arch, upload, smem_optin, sm_major: major }), info))
+        let dependent_launch =
+            major >= 9 && dependent_launch_allowed(std::env::var_os(DEPENDENT_LAUNCH_ENV).as_deref());
+        Ok((DeviceImpl::Cuda(CudaDevice { ctx, arch, upload, smem_optin, sm_major: major, dependent_launch }), info))
     }
 
     fn bind(&self) -> Result<()> {
@@ -197,7 +213,7 @@ impl DeviceOps for CudaDevice {
                 self.ctx.new_stream_with_priority(greatest).map_err(drv("cuStreamCreateWithPriority"))?
             }
         };
-        Ok(StreamImpl::Cuda(CudaStream { ctx: self.ctx.clone(), stream, dependent_launch: self.sm_major >= 9 }))
+        Ok(StreamImpl::Cuda(CudaStream { ctx: self.ctx.clone(), stream, dependent_launch: self.dependent_launch }))
     }
 
     fn create_event(&self) -> Result<EventImpl> {
@@ -217,6 +233,7 @@ impl DeviceOps for CudaDevice {
             })
         })?;
         let module = Arc::new(ModuleHandle { ctx: self.ctx.clone(), module });
+        let ptx = String::from_utf8_lossy(&compiled.ptx);
         src.entries
             .iter()
             .map(|e| {
@@ -257,7 +274,8 @@ impl DeviceOps for CudaDevice {
                     }
                     .map_err(drv("cuFuncSetAttribute"))?;
                 }
-                Ok(KernelImpl::Cuda(CudaKernel { _module: module.clone(), f: FnHandle(f) }))
+                let waits_for_prior = ptx_entry_waits_for_prior(&ptx, e.name);
+                Ok(KernelImpl::Cuda(CudaKernel { _module: module.clone(), f: FnHandle(f), waits_for_prior }))
             })
             .collect()
     }
@@ -344,6 +362,9 @@ unsafe impl Sync for FnHandle {}
 pub(crate) struct CudaKernel {
     _module: Arc<ModuleHandle>,
     f: FnHandle,
+    /// Its code waits for the kernel before it (`griddepcontrol.wait`), so it may be launched as a
+    /// programmatic dependent launch.
+    waits_for_prior: bool,
 }
 
 impl std::fmt::Debug for CudaKernel {
@@ -446,16 +467,26 @@ impl StreamOps for CudaStream {
     fn launch(
         &self,
         kernel: &KernelImpl,
-        _entry: &Arc<KernelEntry>,
+        entry: &Arc<KernelEntry>,
         cfg: &LaunchConfig,
         args: &[Arg],
         mode: LaunchMode,
     ) -> Result<()> {
         #[allow(unreachable_patterns)]
-        let f = match kernel {
-            KernelImpl::Cuda(k) => k.f.0,
+        let (f, waits_for_prior) = match kernel {
+            KernelImpl::Cuda(k) => (k.f.0, k.waits_for_prior),
             _ => return Err(wrong_backend("kernel")),
         };
+        if mode.dependent && self.dependent_launch && !waits_for_prior {
+            // It would run beside the kernel before it with nothing ordering their memory.
+            return Err(HalError::InvalidLaunch {
+                kernel: entry.name.to_string(),
+                detail: "a dependent launch of a kernel that never waits for the kernel before it (no \
+                         hf_grid_dependency_wait() in its code): add the wait before its first memory \
+                         access, or launch it with Stream::launch"
+                    .to_string(),
+            });
+        }
         // Each parameter points at its own 8-byte slot; 4-byte parameters read the low half,
         // which is where little-endian stores put them. Up to 32 arguments stay on the stack.
         let mut stack_values = [0u64; 32];
