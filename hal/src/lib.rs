@@ -25,7 +25,16 @@
 //! joins and releases them). [`Stream::launch_dependent`] lets a kernel begin before the kernel
 //! before it has finished (programmatic dependent launch on sm_90; it waits inside the kernel with
 //! `hf_grid_dependency_wait()`), which hides the launch gap between short back-to-back kernels;
-//! elsewhere it is an ordinary launch.
+//! elsewhere it is an ordinary launch. Every kernel of the upper crates is launched that way and
+//! starts with the wait: the mHC and attention kernels with `hf_dependent_kernel_start()` (let
+//! the next launch begin, then wait for the one before), the `kernels` crate's with the wait
+//! alone (an early start of the next launch made its small matmuls up to 1.3× slower on an
+//! H100). The wait must come before any memory access and before any early return:
+//! a block that ends without it could let the kernel after it pass its own wait while the one
+//! before still runs. The CUDA backend checks each kernel's PTX for the wait when it loads the
+//! module and refuses a dependent launch of one without it; `testing::assert_entries_wait_for_prior`
+//! (feature `cuda`) is the same check at compile time, with no GPU. `HOLDFAST_DEPENDENT_LAUNCH=off` makes every
+//! such launch ordinary (to rule it out, or to time a step both ways on one binary).
 //!
 //! ## Why graphs are safe to replay
 //! A [`Graph`] holds every allocation and pinned buffer it touched, so no address it baked in can

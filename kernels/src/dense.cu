@@ -4,6 +4,11 @@
 // order, independent of how many rows share a launch or which matmul kernel runs, so results are
 // batch-invariant; the CPU references in dense_source.rs follow the same
 // orders (matmul, rms_norm, argmax exactly; rope and swiglu use libm and match within ulps).
+//
+// Every entry is launched dependent (Stream::launch_dependent) and waits for the kernel before it
+// as its first statement, but none lets the next launch begin early: with that trigger, the
+// decode-sized matmuls and rms_norm ran up to 1.3x slower (H100, timed side by side), while a
+// wait alone keeps most of the hidden launch gap.
 
 struct alignas(16) hf_f4 { float v[4]; };
 struct alignas(16) hf_u4 { uint32_t v[4]; };
@@ -110,13 +115,13 @@ __device__ __forceinline__ void hf_matmul_body(const hf_bf16* __restrict__ x, co
 
 HF_KERNEL void __launch_bounds__(HF_MM_THREADS)
 hf_matmul_bf16(const hf_bf16* x, const hf_bf16* w, hf_bf16* y, uint32_t t, uint32_t n, uint32_t k, uint32_t groups) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     hf_matmul_body<hf_bf16>(x, w, y, t, n, k, groups);
 }
 
 HF_KERNEL void __launch_bounds__(HF_MM_THREADS)
 hf_matmul_f32(const hf_bf16* x, const hf_bf16* w, float* y, uint32_t t, uint32_t n, uint32_t k, uint32_t groups) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     hf_matmul_body<float>(x, w, y, t, n, k, groups);
 }
 
@@ -305,14 +310,14 @@ __device__ __forceinline__ void hf_matmul_small_t_body(const hf_bf16* __restrict
 HF_KERNEL void __launch_bounds__(HF_MV_THREADS)
 hf_matmul_small_t_bf16(const hf_bf16* x, const hf_bf16* w, hf_bf16* y, uint32_t t, uint32_t n, uint32_t k,
                        uint32_t groups) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     hf_matmul_small_t_body<hf_bf16>(x, w, y, t, n, k, groups);
 }
 
 HF_KERNEL void __launch_bounds__(HF_MV_THREADS)
 hf_matmul_small_t_f32(const hf_bf16* x, const hf_bf16* w, float* y, uint32_t t, uint32_t n, uint32_t k,
                       uint32_t groups) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     hf_matmul_small_t_body<float>(x, w, y, t, n, k, groups);
 }
 
@@ -323,7 +328,7 @@ hf_matmul_small_t_f32(const hf_bf16* x, const hf_bf16* w, float* y, uint32_t t, 
 #define HF_NORM_THREADS 256
 HF_KERNEL void __launch_bounds__(HF_NORM_THREADS)
 hf_rms_norm_bf16(const hf_bf16* x, const hf_bf16* w, hf_bf16* y, uint32_t rows, uint32_t dim, float eps) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     __shared__ float part[HF_NORM_THREADS];
     for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const hf_bf16* xr = x + (uint64_t)r * dim;
@@ -353,7 +358,7 @@ hf_rms_norm_bf16(const hf_bf16* x, const hf_bf16* w, hf_bf16* y, uint32_t rows, 
 // angle = sign * (pos * powf(theta, -(2p) / rope_dim)); (a, b) -> (a cos - b sin, a sin + b cos).
 HF_KERNEL void hf_rope_bf16(hf_bf16* x, const int32_t* pos, uint32_t tokens, uint32_t heads, uint32_t head_dim,
                             uint32_t rope_dim, float theta, float sign) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     const uint32_t half = rope_dim / 2;
     const uint64_t total = (uint64_t)tokens * heads * half;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
@@ -374,7 +379,7 @@ HF_KERNEL void hf_rope_bf16(hf_bf16* x, const int32_t* pos, uint32_t tokens, uin
 // ---- swiglu: out[t, j] = silu(min(gate, limit)) * clamp(up, -limit, limit), grid-stride ---------
 // The comparisons are written so that a NaN input stays NaN (fminf would drop it).
 HF_KERNEL void hf_swiglu_bf16(const hf_bf16* gate_up, hf_bf16* out, uint32_t tokens, uint32_t ffn, float limit) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     const uint64_t total = (uint64_t)tokens * ffn;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
         const uint64_t t = i / ffn, j = i % ffn;
@@ -390,7 +395,7 @@ HF_KERNEL void hf_swiglu_bf16(const hf_bf16* gate_up, hf_bf16* out, uint32_t tok
 // ---- embed: out[t, c] = table[ids[t], c], zero for ids outside [0, vocab), grid-stride ----------
 HF_KERNEL void hf_embed_bf16(const hf_bf16* table, const int32_t* ids, hf_bf16* out, uint32_t tokens, uint32_t hidden,
                              uint32_t vocab) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     const uint64_t total = (uint64_t)tokens * hidden;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
         const uint64_t t = i / hidden, c = i % hidden;
@@ -415,7 +420,7 @@ __device__ __forceinline__ bool hf_better(float v, uint32_t i, float bv, uint32_
 }
 HF_KERNEL void __launch_bounds__(HF_ARGMAX_THREADS)
 hf_argmax_f32(const float* logits, int32_t* out, uint32_t rows, uint32_t cols) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     __shared__ float sv[HF_ARGMAX_THREADS];
     __shared__ uint32_t si[HF_ARGMAX_THREADS];
     for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
@@ -443,7 +448,7 @@ hf_argmax_f32(const float* logits, int32_t* out, uint32_t rows, uint32_t cols) {
 
 // ---- repeat_rows: y[t, j, c] = x[t, c] for j < copies, grid-stride -------------------------------
 HF_KERNEL void hf_repeat_rows_bf16(const hf_bf16* x, hf_bf16* y, uint32_t tokens, uint32_t copies, uint32_t hidden) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     const uint64_t total = (uint64_t)tokens * copies * hidden;
     for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (uint64_t)gridDim.x * blockDim.x) {
         const uint64_t c = i % hidden, t = i / ((uint64_t)copies * hidden);
@@ -453,7 +458,7 @@ HF_KERNEL void hf_repeat_rows_bf16(const hf_bf16* x, hf_bf16* y, uint32_t tokens
 
 // ---- to_bf16: y[i] = bf16(x[i]) (round to nearest even), grid-stride ------------------------------
 HF_KERNEL void hf_to_bf16_f32(const float* x, hf_bf16* y, uint32_t n) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         y[i] = hf_f32_to_bf16(x[i]);
 }

@@ -240,13 +240,13 @@ __device__ __forceinline__ void hf_matmul_mma_tiled_body(const hf_bf16* __restri
 #define HF_MMG_ENTRY(NAME, OUT)                                                                                    \
     HF_KERNEL void __launch_bounds__(256) NAME(const hf_bf16* x, const hf_bf16* w, OUT* y, uint32_t t, uint32_t n, \
                                                uint32_t k, uint32_t groups, uint32_t splits, uint32_t split_len) {  \
-        hf_dependent_kernel_start();                                                                                \
+        hf_grid_dependency_wait();                                                                                \
         hf_matmul_mma_tiled_body<OUT>(x, w, y, t, n, k, groups, splits, split_len);                               \
     }
 #define HF_MMT_ENTRY(NAME, MT, STAGES, OUT)                                                                        \
     HF_KERNEL void __launch_bounds__(256) NAME(const hf_bf16* x, const hf_bf16* w, OUT* y, uint32_t t, uint32_t n, \
                                                uint32_t k, uint32_t groups, uint32_t splits, uint32_t split_len) {  \
-        hf_dependent_kernel_start();                                                                                \
+        hf_grid_dependency_wait();                                                                                \
         hf_matmul_mma_body<MT, STAGES, OUT>(x, w, y, t, n, k, groups, splits, split_len);                         \
     }
 #else
@@ -254,7 +254,7 @@ __device__ __forceinline__ void hf_matmul_mma_tiled_body(const hf_bf16* __restri
 // picked.
 #define HF_MMT_ENTRY(NAME, MT, STAGES, OUT)                                                                       \
     HF_KERNEL void NAME(const hf_bf16* x, const hf_bf16* w, OUT* y, uint32_t t, uint32_t n, uint32_t k,            \
-                        uint32_t groups, uint32_t splits, uint32_t split_len) { hf_dependent_kernel_start(); }
+                        uint32_t groups, uint32_t splits, uint32_t split_len) { hf_grid_dependency_wait(); }
 #define HF_MMG_ENTRY(NAME, OUT) HF_MMT_ENTRY(NAME, 1, 1, OUT)
 #endif
 

@@ -8,16 +8,18 @@ use std::sync::OnceLock;
 use holdfast_hal::{CpuLaunch, KernelEntry, KernelSource, Param, Result, ScalarKind};
 
 const CODE: &str = r#"
+// Every entry is launched dependent and waits for the kernel before it as its first statement,
+// without letting the next launch begin early (see dense.cu).
 // out[i] = value for i < n.
 HF_KERNEL void hf_fill_i32(int32_t* out, int32_t value, uint32_t n) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = value;
 }
 
 // dst[r * dst_stride + c] = src[r * src_stride + c] for r < rows, c < cols (one block per row).
 HF_KERNEL void hf_copy_rows_i32(const int32_t* src, int32_t* dst, uint32_t rows, uint32_t cols,
                                 uint32_t src_stride, uint32_t dst_stride) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x)
         for (uint32_t c = threadIdx.x; c < cols; c += blockDim.x)
             dst[(uint64_t)r * dst_stride + c] = src[(uint64_t)r * src_stride + c];
@@ -25,7 +27,7 @@ HF_KERNEL void hf_copy_rows_i32(const int32_t* src, int32_t* dst, uint32_t rows,
 
 // out[i] = 0 <= idx[i] < src_len ? src[idx[i]] : -1 for i < n.
 HF_KERNEL void hf_gather_i32(const int32_t* src, const int32_t* idx, int32_t* out, uint32_t n, uint32_t src_len) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     for (uint32_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         int32_t j = idx[i];
         out[i] = (j >= 0 && (uint32_t)j < src_len) ? src[j] : -1;
@@ -36,7 +38,7 @@ HF_KERNEL void hf_gather_i32(const int32_t* src, const int32_t* idx, int32_t* ou
 // threads; thread t owns a contiguous chunk of ceil(n / threads) lengths.
 #define HF_SCAN_THREADS 1024
 HF_KERNEL void hf_exclusive_scan_i32(const int32_t* len, int32_t* indptr, uint32_t n) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     __shared__ int32_t sums[HF_SCAN_THREADS];
     uint32_t t = threadIdx.x;
     uint32_t chunk = (n + HF_SCAN_THREADS - 1) / HF_SCAN_THREADS;
@@ -65,7 +67,7 @@ HF_KERNEL void hf_exclusive_scan_i32(const int32_t* len, int32_t* indptr, uint32
 // values outside [lo, hi) are written as -1.
 HF_KERNEL void hf_ragged_pack_i32(const int32_t* dense, const int32_t* len, const int32_t* indptr, int32_t* flat,
                                   uint32_t rows, uint32_t width, int32_t lo, int32_t hi, uint32_t check) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
         int32_t l = len[r];
         uint32_t n = l < 0 ? 0u : ((uint32_t)l < width ? (uint32_t)l : width);
@@ -86,7 +88,7 @@ HF_KERNEL void hf_ragged_pack_i32(const int32_t* dense, const int32_t* len, cons
 #define HF_RFD_THREADS 128
 HF_KERNEL void hf_ragged_from_dense_i32(const int32_t* dense, const int32_t* len, int32_t* indptr, int32_t* flat,
                                         uint32_t rows, uint32_t width, int32_t lo, int32_t hi, uint32_t check) {
-    hf_dependent_kernel_start();
+    hf_grid_dependency_wait();
     __shared__ int32_t part[HF_RFD_THREADS];
     if (blockIdx.x == 0 && threadIdx.x == 0) indptr[0] = 0;
     for (uint32_t r = blockIdx.x; r < rows; r += gridDim.x) {
