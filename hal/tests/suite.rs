@@ -872,8 +872,7 @@ fn dependent_launches_keep_their_order(dev: &Device) {
     // A kernel with no wait in its code is refused where the launch would be dependent (it
     // would run beside the kernel before it); elsewhere the launch is ordinary and runs.
     let info = dev.info();
-    let off = std::env::var("HOLDFAST_DEPENDENT_LAUNCH").is_ok_and(|v| matches!(v.trim(), "off" | "0"));
-    let dependent = info.backend == BackendKind::Cuda && info.arch.starts_with("sm_9") && !off;
+    let dependent = launches_are_dependent(dev);
     let plain = kernel(dev, "hf_touch");
     match s.launch_dependent(&plain, cfg(n), &[(&x).into(), (n as u32).into()]) {
         Err(HalError::InvalidLaunch { kernel, detail }) if dependent => {
@@ -886,6 +885,14 @@ fn dependent_launches_keep_their_order(dev: &Device) {
         }
         other => panic!("dependent launch of a kernel without a wait on {} ({}): {other:?}", info.name, info.arch),
     }
+}
+
+/// Whether `Stream::launch_dependent` issues dependent launches on `dev` (CUDA sm_90, not turned
+/// off), so that a kernel without a wait is refused there.
+fn launches_are_dependent(dev: &Device) -> bool {
+    let info = dev.info();
+    let off = std::env::var("HOLDFAST_DEPENDENT_LAUNCH").is_ok_and(|v| matches!(v.trim(), "off" | "0"));
+    info.backend == BackendKind::Cuda && info.arch.starts_with("sm_9") && !off
 }
 
 fn mapped_host_memory_is_used_in_place(dev: &Device) {
@@ -985,6 +992,21 @@ fn a_cluster_launch_reads_the_shared_memory_of_its_blocks(dev: &Device) {
         s.copy_from_host(&fresh, &x.view()).expect("fresh x");
         g.replay(&s).expect("replay");
         assert_eq!(s.copy_to_host_sync(&outv).expect("out"), cluster_sums(&fresh, 8), "replay {r}");
+    }
+    // As a dependent launch: refused where launches are dependent (this kernel never waits for
+    // the one before it), elsewhere the same cluster launch.
+    s.copy_from_host(&vec![-7.0f32; n], &outv).expect("poison");
+    let args: [Arg; 4] = [(&x).into(), (&outv).into(), 4u32.into(), (n as u32).into()];
+    match s.launch_cluster_dependent(&sum, LaunchConfig::blocks(grid, 64), 4, &args) {
+        Err(HalError::InvalidLaunch { kernel, .. }) if launches_are_dependent(dev) => {
+            assert_eq!(kernel, "hf_cluster_sum");
+            assert_eq!(s.copy_to_host_sync(&outv).expect("out"), vec![-7.0f32; n], "nothing ran");
+        }
+        Ok(()) if !launches_are_dependent(dev) => {
+            let xs = s.copy_to_host_sync(&x.view()).expect("x");
+            assert_eq!(s.copy_to_host_sync(&outv).expect("out"), cluster_sums(&xs, 4)[..n]);
+        }
+        other => panic!("dependent cluster launch of a kernel without a wait: {other:?}"),
     }
 }
 
