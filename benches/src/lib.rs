@@ -235,7 +235,7 @@ pub fn main_with_args<I: IntoIterator<Item = String>>(args: I) -> i32 {
     code
 }
 
-/// The driver version where the backend exposes one.
+/// The driver version where the backend exposes one, and whether launches are dependent there.
 fn driver_version(dev: &Device) -> Option<String> {
     #[cfg(feature = "cuda")]
     if dev.backend() == BackendKind::Cuda {
@@ -243,7 +243,8 @@ fn driver_version(dev: &Device) -> Option<String> {
         // SAFETY: the device opened, so libcuda is loaded; the call writes one int.
         let r = unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut v) };
         if r == cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS {
-            return Some(format!("CUDA driver API {}.{}", v / 1000, (v % 1000) / 10));
+            let dependent = if dev.info().dependent_launch { "on" } else { "off" };
+            return Some(format!("CUDA driver API {}.{}, dependent launches {dependent}", v / 1000, (v % 1000) / 10));
         }
     }
     let _ = dev;

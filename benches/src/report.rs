@@ -210,7 +210,8 @@ pub struct Report {
     pub device: String,
     /// The device's marketing name.
     pub device_name: String,
-    /// The driver version, where the backend exposes one.
+    /// The driver version, where the backend exposes one, and whether its launches are dependent
+    /// (`CUDA driver API 13.0, dependent launches on`).
     pub driver: Option<String>,
     /// The UTC date of the run (`YYYY-MM-DD`).
     pub date: String,

@@ -99,6 +99,10 @@ pub struct DeviceInfo {
     /// HAL enables on every kernel it loads; 227 KiB on sm_90). The CPU backend reports the sm_90
     /// figure, so launches it accepts are launches an sm_90 GPU accepts.
     pub max_shared_mem_per_block: u32,
+    /// Whether [`crate::Stream::launch_dependent`] issues programmatic dependent launches here
+    /// (CUDA, compute capability 9.0 and newer, unless `HOLDFAST_DEPENDENT_LAUNCH=off`); where
+    /// `false` (the CPU and ROCm backends, older GPUs) it is an ordinary launch.
+    pub dependent_launch: bool,
 }
 
 impl DeviceInfo {

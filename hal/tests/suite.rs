@@ -888,11 +888,14 @@ fn dependent_launches_keep_their_order(dev: &Device) {
 }
 
 /// Whether `Stream::launch_dependent` issues dependent launches on `dev` (CUDA sm_90, not turned
-/// off), so that a kernel without a wait is refused there.
+/// off), so that a kernel without a wait is refused there; checked against what the device
+/// reports.
 fn launches_are_dependent(dev: &Device) -> bool {
     let info = dev.info();
     let off = std::env::var("HOLDFAST_DEPENDENT_LAUNCH").is_ok_and(|v| matches!(v.trim(), "off" | "0"));
-    info.backend == BackendKind::Cuda && info.arch.starts_with("sm_9") && !off
+    let expected = info.backend == BackendKind::Cuda && info.arch.starts_with("sm_9") && !off;
+    assert_eq!(info.dependent_launch, expected, "DeviceInfo::dependent_launch on {} ({})", info.name, info.arch);
+    expected
 }
 
 fn mapped_host_memory_is_used_in_place(dev: &Device) {

@@ -131,6 +131,7 @@ impl CpuDevice {
             compute_units: rayon::current_num_threads() as u32,
             warp_size: 1,
             max_shared_mem_per_block: crate::device::SM90_MAX_SHARED_MEM_PER_BLOCK,
+            dependent_launch: false,
         };
         Ok((DeviceImpl::Cpu(CpuDevice { core: Arc::new(CpuCore::new(capacity)) }), info))
     }

@@ -121,6 +121,8 @@ impl CudaDevice {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("cuDeviceGetAttribute"))?
             .max(0);
+        let dependent_launch =
+            major >= 9 && dependent_launch_allowed(std::env::var_os(DEPENDENT_LAUNCH_ENV).as_deref());
         let info = DeviceInfo {
             name: ctx.name().map_err(drv("cuDeviceGetName"))?,
             backend: BackendKind::Cuda,
@@ -130,10 +132,9 @@ impl CudaDevice {
             compute_units: sms.max(0) as u32,
             warp_size: 32,
             max_shared_mem_per_block: smem_optin as u32,
+            dependent_launch,
         };
         let upload = ctx.new_stream().map_err(drv("cuStreamCreate"))?;
-        let dependent_launch =
-            major >= 9 && dependent_launch_allowed(std::env::var_os(DEPENDENT_LAUNCH_ENV).as_deref());
         Ok((DeviceImpl::Cuda(CudaDevice { ctx, arch, upload, smem_optin, sm_major: major, dependent_launch }), info))
     }
 

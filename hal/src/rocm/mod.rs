@@ -116,6 +116,7 @@ impl RocmDevice {
             compute_units: prop.multiProcessorCount.max(0) as u32,
             warp_size: warp,
             max_shared_mem_per_block: u32::try_from(prop.sharedMemPerBlock).unwrap_or(u32::MAX),
+            dependent_launch: false,
         };
         let upload = Arc::new(StreamHandle::new(dev, StreamPriority::Normal)?);
         Ok((DeviceImpl::Rocm(RocmDevice { dev, arch, warp, upload }), info))
