@@ -23,7 +23,7 @@
 //! replay; [`Stream::join_capture`] orders the capturing stream's next work after the branch's.
 //! Only the stream that began a capture ends it, and never while a branch is unjoined (an abort
 //! joins and releases them). [`Stream::launch_dependent`] lets a kernel begin before the kernel
-//! before it has finished (programmatic dependent launch on sm_90; it waits inside the kernel with
+//! before it has finished (programmatic dependent launch on sm_90 and newer; it waits inside the kernel with
 //! `hf_grid_dependency_wait()`), which hides the launch gap between short back-to-back kernels;
 //! elsewhere it is an ordinary launch. Every kernel of the upper crates is launched that way and
 //! starts with the wait: the mHC and attention kernels with `hf_dependent_kernel_start()` (let

@@ -163,9 +163,11 @@ impl Stream {
     /// As [`Stream::launch`], letting the kernel begin before the kernel launched before it on
     /// this stream has finished (CUDA programmatic dependent launch, sm_90 and newer; also inside
     /// a capture, as a programmatic graph edge), which hides the launch latency between
-    /// back-to-back kernels. The kernel must call `hf_grid_dependency_wait()` (the portability
-    /// header) before it touches any memory that earlier work on the stream reads or writes: that
-    /// call returns once every earlier kernel has finished and its writes are visible. Elsewhere
+    /// back-to-back kernels. Every block of the kernel must call `hf_grid_dependency_wait()` (the
+    /// portability header) before its first memory access and before any return: that call
+    /// returns once the kernel before has finished and its writes are visible, and a kernel whose
+    /// blocks could all end without waiting would let the kernel after it pass its own wait while
+    /// the one before still runs (the chain of waits is what orders every earlier kernel). Elsewhere
     /// (other devices, HIP, the CPU backend) this is an ordinary launch and the call is a no-op.
     /// On a device where the launch is dependent, a kernel whose compiled code has no such wait is
     /// refused ([`HalError::InvalidLaunch`]; nothing runs). `HOLDFAST_DEPENDENT_LAUNCH=off` turns

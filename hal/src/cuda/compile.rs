@@ -126,9 +126,12 @@ pub(crate) fn compile_inner(src: &KernelSource, arch: &str, warp: u32) -> Result
 /// Whether entry point `entry` of the PTX text `ptx` waits for the kernel launched before it
 /// (`griddepcontrol.wait`, what `hf_grid_dependency_wait()` compiles to on sm_90 and newer), so
 /// that a programmatic dependent launch of it ([`crate::Stream::launch_dependent`]) is ordered
-/// after that kernel's writes. Device functions are inlined into their entry, so the entry's own
-/// body is what is searched: from its `.entry` line to the next top-level function. `false` when
-/// the entry is not in `ptx`.
+/// after that kernel's writes. Device functions are normally inlined into their entry, so the
+/// entry's own body is what is searched: from its `.entry` line to the next top-level function; a
+/// wait left in a function that was not inlined reads as missing (the launch is then refused,
+/// which is safe). It checks that the wait is there, not where: that every block reaches it before
+/// any memory access or return is the kernel's part ([`crate::Stream::launch_dependent`]).
+/// `false` when the entry is not in `ptx`.
 pub fn ptx_entry_waits_for_prior(ptx: &str, entry: &str) -> bool {
     let Some(start) = ptx.match_indices(".entry ").map(|(i, _)| i + ".entry ".len()).find(|&i| {
         let rest = &ptx[i..];

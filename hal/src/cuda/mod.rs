@@ -85,14 +85,15 @@ pub(crate) struct CudaDevice {
 }
 
 /// Environment variable that turns programmatic dependent launch off for the process when set to
-/// `off` or `0`: [`crate::Stream::launch_dependent`] then issues ordinary, fully ordered
+/// `off`, `0`, `false` or `no` (any case): [`crate::Stream::launch_dependent`] then issues ordinary, fully ordered
 /// launches (the kernels' waits return at once). For ruling it out when chasing a bug, and for
 /// timing a step with and without it on one binary.
 pub const DEPENDENT_LAUNCH_ENV: &str = "HOLDFAST_DEPENDENT_LAUNCH";
 
 /// Whether `value` (of [`DEPENDENT_LAUNCH_ENV`]) leaves programmatic dependent launch on.
 fn dependent_launch_allowed(value: Option<&std::ffi::OsStr>) -> bool {
-    !matches!(value.and_then(|v| v.to_str()).map(str::trim), Some("off" | "0"))
+    let v = value.and_then(|v| v.to_str()).map(|v| v.trim().to_ascii_lowercase());
+    !matches!(v.as_deref(), Some("off" | "0" | "false" | "no"))
 }
 
 impl CudaDevice {
@@ -453,7 +454,8 @@ impl PinnedOps for CudaPinned {
 pub(crate) struct CudaStream {
     ctx: Arc<CudaContext>,
     stream: Arc<CuStream>,
-    /// The device has programmatic dependent launch (sm_90 and newer).
+    /// Dependent launches are issued as such: sm_90 and newer, unless [`DEPENDENT_LAUNCH_ENV`]
+    /// turns them off.
     dependent_launch: bool,
 }
 
@@ -829,5 +831,22 @@ impl EventOps for CudaEvent {
         self.ctx.bind_to_thread().map_err(drv("cuCtxSetCurrent"))?;
         // SAFETY: both events were recorded and `end` has completed (front end synchronises it).
         unsafe { result::event::elapsed(self.ev, end) }.map_err(drv("cuEventElapsedTime"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::dependent_launch_allowed;
+    use std::ffi::OsStr;
+
+    #[test]
+    fn dependent_launch_is_turned_off_only_by_an_off_value() {
+        for off in ["off", "0", "false", "no", " OFF ", "False"] {
+            assert!(!dependent_launch_allowed(Some(OsStr::new(off))), "{off:?}");
+        }
+        for on in ["on", "1", "", "yes"] {
+            assert!(dependent_launch_allowed(Some(OsStr::new(on))), "{on:?}");
+        }
+        assert!(dependent_launch_allowed(None));
     }
 }
