@@ -236,7 +236,8 @@ __device__ __forceinline__ bool hf_block_arrives_last(uint32_t* counter, uint32_
 }
 
 // Programmatic dependent launch (Stream::launch_dependent): hf_grid_dependency_wait() returns once
-// every kernel launched before this one on its stream has finished and its writes are visible;
+// the kernel launched before this one on its stream has finished and its writes are visible (and
+// so every kernel before that, as long as each dependent kernel's blocks wait before they end);
 // hf_grid_dependents_launch() lets the next dependent launch begin early. No-ops where the device
 // or backend has no such launch (it was then an ordinary, fully ordered launch).
 #if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
