@@ -174,7 +174,11 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
             cfg.hidden_size,
             cfg.vocab_size,
             cfg.parameter_count() as f64 / 1e6,
-            dev.info().name,
+            if dev.info().dependent_launch {
+                format!("{} (dependent launches)", dev.info().name)
+            } else {
+                dev.info().name.clone()
+            },
             a.requests,
             a.prompt_len,
             a.output_len,
