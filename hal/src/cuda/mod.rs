@@ -86,14 +86,24 @@ pub(crate) struct CudaDevice {
 
 /// Environment variable that turns programmatic dependent launch off for the process when set to
 /// `off`, `0`, `false` or `no` (any case): [`crate::Stream::launch_dependent`] then issues ordinary, fully ordered
-/// launches (the kernels' waits return at once). For ruling it out when chasing a bug, and for
+/// launches (the kernels' waits return at once). `on`, `1`, `true`, `yes` or empty leave it on;
+/// any other value makes opening a CUDA device fail with an error that says so. For ruling it out when chasing a bug, and for
 /// timing a step with and without it on one binary.
 pub const DEPENDENT_LAUNCH_ENV: &str = "HOLDFAST_DEPENDENT_LAUNCH";
 
-/// Whether `value` (of [`DEPENDENT_LAUNCH_ENV`]) leaves programmatic dependent launch on.
-fn dependent_launch_allowed(value: Option<&std::ffi::OsStr>) -> bool {
-    let v = value.and_then(|v| v.to_str()).map(|v| v.trim().to_ascii_lowercase());
-    !matches!(v.as_deref(), Some("off" | "0" | "false" | "no"))
+/// Whether `value` (of [`DEPENDENT_LAUNCH_ENV`]) leaves programmatic dependent launch on: unset,
+/// empty, `on`, `1`, `true` or `yes` do, `off`, `0`, `false` or `no` do not (any case, spaces
+/// ignored); anything else is an error that says what is accepted, not a silent default.
+fn dependent_launch_allowed(value: Option<&std::ffi::OsStr>) -> std::result::Result<bool, String> {
+    let Some(raw) = value else { return Ok(true) };
+    let v = raw.to_str().map(|v| v.trim().to_ascii_lowercase());
+    match v.as_deref() {
+        Some("" | "on" | "1" | "true" | "yes") => Ok(true),
+        Some("off" | "0" | "false" | "no") => Ok(false),
+        _ => Err(format!(
+            "{DEPENDENT_LAUNCH_ENV}={raw:?} is neither on nor off (accepted: on, off, 1, 0, true, false, yes, no)"
+        )),
+    }
 }
 
 impl CudaDevice {
@@ -122,8 +132,9 @@ impl CudaDevice {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("cuDeviceGetAttribute"))?
             .max(0);
-        let dependent_launch =
-            major >= 9 && dependent_launch_allowed(std::env::var_os(DEPENDENT_LAUNCH_ENV).as_deref());
+        let allowed = dependent_launch_allowed(std::env::var_os(DEPENDENT_LAUNCH_ENV).as_deref())
+            .map_err(|reason| HalError::UnknownDevice { name: format!("cuda:{ordinal}"), reason })?;
+        let dependent_launch = major >= 9 && allowed;
         let info = DeviceInfo {
             name: ctx.name().map_err(drv("cuDeviceGetName"))?,
             backend: BackendKind::Cuda,
@@ -840,13 +851,17 @@ mod tests {
     use std::ffi::OsStr;
 
     #[test]
-    fn dependent_launch_is_turned_off_only_by_an_off_value() {
+    fn dependent_launch_is_on_unless_turned_off_and_a_typo_is_an_error() {
         for off in ["off", "0", "false", "no", " OFF ", "False"] {
-            assert!(!dependent_launch_allowed(Some(OsStr::new(off))), "{off:?}");
+            assert_eq!(dependent_launch_allowed(Some(OsStr::new(off))), Ok(false), "{off:?}");
         }
-        for on in ["on", "1", "", "yes"] {
-            assert!(dependent_launch_allowed(Some(OsStr::new(on))), "{on:?}");
+        for on in ["on", "1", "", "yes", " True"] {
+            assert_eq!(dependent_launch_allowed(Some(OsStr::new(on))), Ok(true), "{on:?}");
         }
-        assert!(dependent_launch_allowed(None));
+        assert_eq!(dependent_launch_allowed(None), Ok(true));
+        for typo in ["of", "disable", "2"] {
+            let e = dependent_launch_allowed(Some(OsStr::new(typo))).expect_err(typo);
+            assert!(e.contains("HOLDFAST_DEPENDENT_LAUNCH") && e.contains(typo) && e.contains("accepted"), "{e}");
+        }
     }
 }
