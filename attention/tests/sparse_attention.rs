@@ -614,10 +614,10 @@ fn sparse_attention_compiles_for_sm_90_with_nvrtc() {
 #[test]
 fn every_attention_kernel_waits_for_the_kernel_before_it() {
     use holdfast_hal::testing::assert_entries_wait_for_prior;
-    assert_entries_wait_for_prior(holdfast_attention::sparse_attention_source(), &[]);
-    assert_entries_wait_for_prior(holdfast_attention::source::source(), &[]);
-    assert_entries_wait_for_prior(holdfast_attention::compressor_source(), &[]);
-    assert_entries_wait_for_prior(holdfast_attention::indexer_source(), &[]);
+    assert_entries_wait_for_prior(holdfast_attention::sparse_attention_source());
+    assert_entries_wait_for_prior(holdfast_attention::source::source());
+    assert_entries_wait_for_prior(holdfast_attention::compressor_source());
+    assert_entries_wait_for_prior(holdfast_attention::indexer_source());
 }
 
 #[cfg(feature = "rocm")]

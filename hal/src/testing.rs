@@ -109,24 +109,22 @@ pub fn assert_compiles_for_sm_90(src: &crate::KernelSource) -> Option<usize> {
     Some(size)
 }
 
-/// Compiles `src` with NVRTC for `sm_90a` and checks that each of `entries` (all of the source's
-/// when empty) waits for the kernel before it (`hf_dependent_kernel_start()` or
+/// Compiles `src` with NVRTC for `sm_90a` and checks that every entry point waits for the kernel
+/// before it (`hf_dependent_kernel_start()` or
 /// `hf_grid_dependency_wait()` in its code), which a launch through
 /// [`crate::Stream::launch_dependent`] needs there: the CUDA backend refuses it otherwise, so this
 /// is the check that catches a missing wait without a GPU. Returns `false` (after printing a
 /// `skipped:` line) where NVRTC is missing, unless `HOLDFAST_REQUIRE_NVRTC` is set. Panics on
 /// failure: this is a test helper.
 #[cfg(feature = "cuda")]
-pub fn assert_entries_wait_for_prior(src: &crate::KernelSource, entries: &[&str]) -> bool {
+pub fn assert_entries_wait_for_prior(src: &crate::KernelSource) -> bool {
     if compiler_missing("NVRTC", "HOLDFAST_REQUIRE_NVRTC", crate::cuda::nvrtc_unavailable_reason()) {
         return false;
     }
     let (_, ptx) = crate::cuda::compile(src, "sm_90a", 32).unwrap_or_else(|e| panic!("sm_90a: {e}"));
     let ptx = String::from_utf8_lossy(&ptx);
-    let all: Vec<&str> = src.entries.iter().map(|e| e.name).collect();
-    let names = if entries.is_empty() { &all[..] } else { entries };
     let missing: Vec<&str> =
-        names.iter().copied().filter(|n| !crate::cuda::ptx_entry_waits_for_prior(&ptx, n)).collect();
+        src.entries.iter().map(|e| e.name).filter(|n| !crate::cuda::ptx_entry_waits_for_prior(&ptx, n)).collect();
     assert!(missing.is_empty(), "`{}`: entries that never wait for the kernel before them: {missing:?}", src.name);
     true
 }

@@ -394,8 +394,8 @@ fn kernels_compile_for_sm_90_with_nvrtc() {
 #[cfg(feature = "cuda")]
 #[test]
 fn every_kernel_waits_for_the_kernel_before_it() {
-    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_kernels::source(), &[]);
-    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_kernels::dense_source(), &[]);
+    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_kernels::source());
+    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_kernels::dense_source());
 }
 
 #[cfg(feature = "rocm")]

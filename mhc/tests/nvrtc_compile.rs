@@ -30,7 +30,7 @@ fn mhc_kernels_compile_for_sm_90() {
 /// for the kernel before it.
 #[test]
 fn every_mhc_kernel_waits_for_the_kernel_before_it() {
-    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_mhc::source(), &[]);
+    holdfast_hal::testing::assert_entries_wait_for_prior(holdfast_mhc::source());
 }
 
 /// The split-reduction kernels' static shared memory stays within the 8 KiB the launch plan

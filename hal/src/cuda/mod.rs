@@ -85,10 +85,11 @@ pub(crate) struct CudaDevice {
 }
 
 /// Environment variable that turns programmatic dependent launch off for the process when set to
-/// `off`, `0`, `false` or `no` (any case): [`crate::Stream::launch_dependent`] then issues ordinary, fully ordered
-/// launches (the kernels' waits return at once). `on`, `1`, `true`, `yes` or empty leave it on;
-/// any other value makes opening a CUDA device fail with an error that says so. For ruling it out when chasing a bug, and for
-/// timing a step with and without it on one binary.
+/// `off`, `0`, `false` or `no` (any case): [`crate::Stream::launch_dependent`] then issues
+/// ordinary, fully ordered launches (the kernels' waits return at once). `on`, `1`, `true`, `yes`
+/// or empty leave it on; any other value makes opening a CUDA device fail with an error that says
+/// so. For ruling it out when chasing a bug, and for timing a step with and without it on one
+/// binary.
 pub const DEPENDENT_LAUNCH_ENV: &str = "HOLDFAST_DEPENDENT_LAUNCH";
 
 /// Whether `value` (of [`DEPENDENT_LAUNCH_ENV`]) leaves programmatic dependent launch on: unset,
