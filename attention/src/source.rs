@@ -89,7 +89,9 @@ HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t
 // rows are 16-byte aligned (width % 4 == 0 and an aligned buffer) each thread makes four
 // consecutive entries (one division for the four, one 16-byte store of the dense row). The
 // table entries a row reads (up to HF_C128A_TROW) are staged in shared memory first, so the
-// passes that write never wait on a table load behind the stream of stores.
+// passes that write never wait on a table load behind the stream of stores; the row's -1 tail
+// (past its list's last group of four) is stored before that, while the table row and the
+// lengths before the row are loading.
 struct alignas(16) hf_md_i4 { int32_t v[4]; };
 #define HF_MD_ROUNDS 4
 // Table entries a c128a block stages in shared memory before it writes (16 KiB): a row that needs
@@ -137,17 +139,26 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
         const uint32_t need = ((uint32_t)c + cbs - 1u) / cbs;
         const bool staged = need <= HF_C128A_TROW;
         if (staged) hf_md_stage(table_row, need, trow);
+        int32_t* dense = indices + (uint64_t)t * width;
+        // The dense row's -1 tail from the first 16-byte group past the list depends on the
+        // length alone: its stores go out while the table row and the lengths before this row
+        // are still in flight (the passes below write the groups before it).
+        const uint32_t tail = vec ? (((uint32_t)c + 3u) & ~3u) : width;
+        if (vec) {
+            const hf_md_i4 none = {{-1, -1, -1, -1}};
+            for (uint32_t j0 = tail + 4u * threadIdx.x; j0 < width; j0 += 4u * blockDim.x)
+                *reinterpret_cast<hf_md_i4*>(dense + j0) = none;
+        }
         const int32_t before =
             hf_thread_sum_below(t, [&](uint32_t q) { return hf_c128a_len(positions, slots, tok_req, q, width, ratio); });
         const int32_t base = hf_block_sum_i32(before, part);
         if (staged) hf_md_stage_wait();
         const int32_t* row = staged ? trow : table_row;
-        int32_t* dense = indices + (uint64_t)t * width;
         if (vec) {
             // HF_MD_ROUNDS groups of four per pass, their table reads all in flight before any store.
             const uint32_t step = 4u * blockDim.x, lane = threadIdx.x % HF_WARP_SIZE;
             // The bound is the warp's first entry, so whole warps take part in the shuffles.
-            for (uint32_t p0 = 4u * threadIdx.x; p0 - 4u * lane < width; p0 += HF_MD_ROUNDS * step) {
+            for (uint32_t p0 = 4u * threadIdx.x; p0 - 4u * lane < tail; p0 += HF_MD_ROUNDS * step) {
                 hf_md_i4 o[HF_MD_ROUNDS];
 #pragma unroll
                 for (int g = 0; g < HF_MD_ROUNDS; ++g) {
@@ -169,7 +180,7 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
 #pragma unroll
                 for (int g = 0; g < HF_MD_ROUNDS; ++g) {
                     const uint32_t j0 = p0 + (uint32_t)g * step;
-                    if (j0 < width) *reinterpret_cast<hf_md_i4*>(dense + j0) = o[g];
+                    if (j0 < tail) *reinterpret_cast<hf_md_i4*>(dense + j0) = o[g];
                     const uint32_t wbase = j0 - 4u * lane;  // the warp's first entry
 #pragma unroll
                     for (int r = 0; r < 4; ++r) {
