@@ -4,9 +4,11 @@
 //! events around the eager calls (so the host's enqueue gaps count), and from a graph of them
 //! replayed with a fresh step staged each time (the device work alone; the row that carries the
 //! bytes and the target). In the graph the c128a and c4a builds run on branches forked after the
-//! upload, concurrently with the SWA build. Three more graphs time its parts: the upload alone,
+//! upload, concurrently with the SWA build. Four more graphs time its parts: the upload alone,
 //! the upload with the c128a build (the critical path; the rest of the step is what the SWA and
-//! c4a builds beside it add), and the upload with the c4a build.
+//! c4a builds beside it add), the upload with the c4a build, and the upload with the SWA and
+//! c128a builds (what the model runs at a step's start: its c4a builds follow each c4a layer's
+//! indexer).
 //!
 //! The block tables live on the device (written once per request): a steady decode step stages
 //! each request's next token and appends a block to a table only when that token starts one. The
@@ -78,6 +80,21 @@ enum Parts {
     UploadC128a,
     /// The upload and the c4a build.
     UploadC4a,
+    /// The upload, the SWA and the c128a builds: what the model runs at the start of a step (its
+    /// c4a builds follow each c4a layer's indexer).
+    StepStart,
+}
+
+impl Parts {
+    fn c128a(self) -> bool {
+        matches!(self, Parts::All | Parts::UploadC128a | Parts::StepStart)
+    }
+    fn c4a(self) -> bool {
+        matches!(self, Parts::All | Parts::UploadC4a)
+    }
+    fn swa(self) -> bool {
+        matches!(self, Parts::All | Parts::StepStart)
+    }
 }
 
 /// The three builders of a step, the top-k rows the c4a one reads, and two side streams.
@@ -100,7 +117,7 @@ impl Builds<'_> {
         }
         let forked = s.is_capturing();
         let [a, b] = if forked { self.side } else { [s, s] };
-        let (with_c128a, with_c4a) = (parts != Parts::UploadC4a, parts != Parts::UploadC128a);
+        let (with_c128a, with_c4a) = (parts.c128a(), parts.c4a());
         if with_c128a {
             if forked {
                 s.fork_capture(a)?;
@@ -113,7 +130,7 @@ impl Builds<'_> {
             }
             self.c4a.build(b, common, self.topk)?;
         }
-        if parts == Parts::All {
+        if parts.swa() {
             self.swa.build(s, common)?;
         }
         if forked && with_c4a {
@@ -352,12 +369,14 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
                 }
                 out.push(r);
                 // Its parts: the upload alone, the upload with the c128a build (the critical
-                // path; the rest is what the SWA and c4a builds beside it add), and the upload
-                // with the c4a build.
+                // path; the rest is what the SWA and c4a builds beside it add), the upload with
+                // the c4a build, and the upload with the SWA and c128a builds (the step's start
+                // in the model).
                 for (parts, what) in [
                     (Parts::Upload, "upload"),
                     (Parts::UploadC128a, "upload + c128a build"),
                     (Parts::UploadC4a, "upload + c4a build"),
+                    (Parts::StepStart, "upload + swa + c128a builds"),
                 ] {
                     let (mut us, _) = replayed(ctx, &mut common, &mut batch, &builds, parts, steps)?;
                     out.push(
@@ -407,7 +426,7 @@ mod tests {
         let builds = Builds { swa: &swa, c128a: &c128a, c4a: &c4a, topk: &tv, side: [&side[0], &side[1]] };
         let mut batch = DecodeBatch::new(cfg, 11, 8);
         batch.fill(&mut common, &s)?;
-        for parts in [Parts::All, Parts::Upload, Parts::UploadC128a, Parts::UploadC4a] {
+        for parts in [Parts::All, Parts::Upload, Parts::UploadC128a, Parts::UploadC4a, Parts::StepStart] {
             batch.advance(0, &mut common)?;
             common.stage(&batch.input())?;
             common.apply_bulk_table_updates(&s)?;
@@ -439,10 +458,10 @@ mod tests {
                 Ok(())
             };
             if let (Some(v), Some(w)) = (dense.as_ref(), want.1.as_ref()) {
-                built(v, w, matches!(parts, Parts::All | Parts::UploadC128a), "c128a rows")?;
+                built(v, w, parts.c128a(), "c128a rows")?;
             }
             if let (Some(v), Some(w)) = (ragged4.as_ref(), want.2.as_ref()) {
-                built(v, w, matches!(parts, Parts::All | Parts::UploadC4a), "c4a indptr")?;
+                built(v, w, parts.c4a(), "c4a indptr")?;
             }
         }
         Ok(())
