@@ -89,9 +89,9 @@ HF_KERNEL void hf_dsv4_swa_prefill_gather_lens(const int32_t* qsl, const int32_t
 // rows are 16-byte aligned (width % 4 == 0 and an aligned buffer) each thread makes four
 // consecutive entries (one division for the four, one 16-byte store of the dense row). The
 // table entries a row reads (up to HF_C128A_TROW) are staged in shared memory first, so the
-// passes that write never wait on a table load behind the stream of stores; the row's -1 tail
-// (past its list's last group of four) is stored before that, while the table row and the
-// lengths before the row are loading.
+// passes that write never wait on a table load behind the stream of stores. With early_tail
+// (the launcher's choice: it changes no output) the row's -1 tail past its list's last group of
+// four is stored before that, while the table row and the lengths before the row load.
 struct alignas(16) hf_md_i4 { int32_t v[4]; };
 #define HF_MD_ROUNDS 4
 // Table entries a c128a block stages in shared memory before it writes (16 KiB): a row that needs
@@ -121,7 +121,7 @@ __device__ __forceinline__ void hf_md_stage_wait() {
 HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slots, const int32_t* tok_req,
                                     const int32_t* table_rows, const int32_t* block_table, int32_t* indices,
                                     int32_t* lens, int32_t* indptr, int32_t* flat, uint32_t n, uint32_t width,
-                                    uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
+                                    uint32_t ratio, uint32_t cbs, uint32_t bt_width, uint32_t early_tail) {
     hf_dependent_kernel_start();
     __shared__ int32_t part[1024];
     __shared__ hf_md_i4 trow4[HF_C128A_TROW / 4];  // 16-byte aligned through its type
@@ -140,11 +140,11 @@ HF_KERNEL void hf_dsv4_c128a_decode(const int32_t* positions, const int32_t* slo
         const bool staged = need <= HF_C128A_TROW;
         if (staged) hf_md_stage(table_row, need, trow);
         int32_t* dense = indices + (uint64_t)t * width;
-        // The dense row's -1 tail from the first 16-byte group past the list depends on the
-        // length alone: its stores go out while the table row and the lengths before this row
-        // are still in flight (the passes below write the groups before it).
-        const uint32_t tail = vec ? (((uint32_t)c + 3u) & ~3u) : width;
-        if (vec) {
+        // With early_tail, the dense row's -1 tail from the first 16-byte group past the list
+        // (it depends on the length alone) is stored while the table row and the lengths before
+        // this row are still in flight; the passes below write the groups before it.
+        const uint32_t tail = vec && early_tail ? (((uint32_t)c + 3u) & ~3u) : width;
+        if (vec && early_tail) {
             const hf_md_i4 none = {{-1, -1, -1, -1}};
             for (uint32_t j0 = tail + 4u * threadIdx.x; j0 < width; j0 += 4u * blockDim.x)
                 *reinterpret_cast<hf_md_i4*>(dense + j0) = none;
@@ -643,6 +643,7 @@ pub fn source() -> &'static KernelSource {
                         u("ratio"),
                         u("cbs"),
                         u("bt_width"),
+                        u("early_tail"),
                     ],
                     cpu: c128a_decode,
                 },

@@ -579,7 +579,9 @@ fn views_depend_only_on_the_padded_row_count(dev: &Device) {
 }
 
 /// Many decode rows: more blocks than the device holds at once (later rows' blocks start as
-/// earlier ones finish), and rows whose c4a look-back crosses many windows of a warp's width.
+/// earlier ones finish), rows whose c4a look-back crosses many windows of a warp's width, and
+/// more than two rows per multiprocessor (the c128a build stores its -1 tails in its passes, where
+/// the small batches above store them first).
 fn many_rows_are_built_past_what_the_device_holds_at_once(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0xB10C);
