@@ -620,6 +620,19 @@ fn every_attention_kernel_waits_for_the_kernel_before_it() {
     assert_entries_wait_for_prior(holdfast_attention::indexer_source());
 }
 
+/// No attention or metadata kernel uses local memory on sm_90a (register spills or local arrays),
+/// the warpgroup kernel at 254 registers included; the compressor's pooling has the frame of
+/// `sinf` / `cosf`'s reduction of large arguments (its RoPE).
+#[cfg(feature = "cuda")]
+#[test]
+fn no_attention_kernel_spills_to_local_memory() {
+    use holdfast_hal::testing::assert_sm90a_frames_within;
+    assert_sm90a_frames_within(holdfast_attention::sparse_attention_source(), &[]);
+    assert_sm90a_frames_within(holdfast_attention::source::source(), &[]);
+    assert_sm90a_frames_within(holdfast_attention::compressor_source(), &[("hf_dsv4_compressor_pool", 32)]);
+    assert_sm90a_frames_within(holdfast_attention::indexer_source(), &[]);
+}
+
 #[cfg(feature = "rocm")]
 #[test]
 fn sparse_attention_compiles_for_gfx90a_with_hiprtc() {

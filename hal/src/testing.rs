@@ -129,6 +129,53 @@ pub fn assert_entries_wait_for_prior(src: &crate::KernelSource) -> bool {
     true
 }
 
+/// Compiles `src` with NVRTC for `sm_90a` and returns every kernel's registers, local-memory
+/// frame (spills) and stack per thread ([`crate::cuda::kernel_resources`]), so a crate's tests
+/// can hold its kernels to a register and spill budget with no GPU. `None` (after printing a
+/// `skipped:` line) where NVRTC is missing, unless `HOLDFAST_REQUIRE_NVRTC` is set. Panics on
+/// failure: this is a test helper.
+#[cfg(feature = "cuda")]
+pub fn sm90a_kernel_resources(src: &crate::KernelSource) -> Option<Vec<crate::cuda::KernelResources>> {
+    if compiler_missing("NVRTC", "HOLDFAST_REQUIRE_NVRTC", crate::cuda::nvrtc_unavailable_reason()) {
+        return None;
+    }
+    let (cubin, _) = crate::cuda::compile(src, "sm_90a", 32).unwrap_or_else(|e| panic!("sm_90a: {e}"));
+    let found = crate::cuda::kernel_resources(&cubin).unwrap_or_else(|e| panic!("`{}`: {e}", src.name));
+    let mut names: Vec<&str> = found.iter().map(|k| k.name.as_str()).collect();
+    names.sort_unstable();
+    let mut want: Vec<&str> = src.entries.iter().map(|e| e.name).collect();
+    want.sort_unstable();
+    assert_eq!(names, want, "`{}`: the CUBIN's kernels are the source's entries", src.name);
+    Some(found)
+}
+
+/// Compiles `src` with NVRTC for `sm_90a` ([`sm90a_kernel_resources`]), prints each kernel's
+/// registers and local memory per thread, and asserts that no kernel has a local-memory frame
+/// (register spills or local arrays) larger than its allowance in `frames` (name, bytes), 0 for
+/// a kernel not listed: a change that makes a kernel spill fails here with no GPU. `false`
+/// (after printing a `skipped:` line) where NVRTC is missing, unless `HOLDFAST_REQUIRE_NVRTC` is
+/// set. Panics on failure: this is a test helper.
+#[cfg(feature = "cuda")]
+pub fn assert_sm90a_frames_within(src: &crate::KernelSource, frames: &[(&str, u32)]) -> bool {
+    let Some(found) = sm90a_kernel_resources(src) else { return false };
+    for (name, _) in frames {
+        assert!(found.iter().any(|k| k.name == *name), "`{}`: no kernel `{name}` to allow a frame", src.name);
+    }
+    let over: Vec<String> = found
+        .iter()
+        .filter_map(|k| {
+            let allowed = frames.iter().find(|(n, _)| *n == k.name).map_or(0, |&(_, b)| b);
+            eprintln!(
+                "{}: {} registers, {} bytes of local frame (allowed {allowed}), {} of stack",
+                k.name, k.registers, k.frame_bytes, k.stack_bytes
+            );
+            (k.frame_bytes > allowed).then(|| format!("{} ({} bytes, allowed {allowed})", k.name, k.frame_bytes))
+        })
+        .collect();
+    assert!(over.is_empty(), "`{}`: kernels with more local memory than allowed: {over:?}", src.name);
+    true
+}
+
 /// Compiles `src` with hipRTC for `gfx90a` (wavefront 64): the CI compile check of a crate's
 /// kernels for AMD, with no GPU needed. Returns the code object's size, or `None` (after printing
 /// a `skipped:` line) when HIP / hipRTC are not installed, unless `HOLDFAST_REQUIRE_HIPRTC` is set

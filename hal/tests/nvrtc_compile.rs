@@ -46,3 +46,24 @@ fn the_dependent_demo_kernel_waits_for_the_kernel_before_it_and_the_plain_one_do
     let (_, ptx80) = cuda::compile(demo_kernels::source(), "sm_80", 32).expect("compiles");
     assert!(!cuda::ptx_entry_waits_for_prior(&String::from_utf8_lossy(&ptx80), "hf_touch_dependent"));
 }
+
+#[test]
+fn the_cubin_names_every_kernel_with_its_registers_and_a_spilling_one_with_its_frame() {
+    let Some(found) = holdfast_hal::testing::sm90a_kernel_resources(demo_kernels::source()) else { return };
+    for k in &found {
+        assert!(k.registers > 0 && k.registers <= 255, "{k:?}");
+        assert_eq!(k.frame_bytes, 0, "{}: the demo kernels keep everything in registers", k.name);
+    }
+    // A local array indexed by a run-time value lives in local memory: a frame of its 64 floats.
+    let mut local = demo_kernels::source().clone();
+    local.name = "local_frame";
+    local.code = "HF_KERNEL void hf_touch(float* y, uint32_t n) { float a[64]; \
+                  for (uint32_t i = 0; i < 64; ++i) a[i] = y[i]; \
+                  for (uint32_t i = 0; i < 64; ++i) a[(i * n) & 63u] += 1.0f; y[0] = a[n & 63u]; }";
+    local.entries.retain(|e| e.name == "hf_touch");
+    let (cubin, _) = cuda::compile(&local, "sm_90a", 32).expect("compiles");
+    let k = cuda::kernel_resources(&cubin).expect("a cubin");
+    assert_eq!(k.len(), 1, "{k:?}");
+    assert_eq!(k[0].name, local.entries[0].name);
+    assert!(k[0].frame_bytes >= 256, "{:?}", k[0]);
+}

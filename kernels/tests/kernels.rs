@@ -389,6 +389,19 @@ fn kernels_compile_for_sm_90_with_nvrtc() {
     holdfast_hal::testing::assert_compiles_for_sm_90(holdfast_kernels::source());
 }
 
+/// No generic or dense kernel uses local memory on sm_90a but RoPE (the frame of `sinf` / `cosf`'s
+/// reduction of large arguments) and the small-`t` matmuls (8 bytes).
+#[cfg(feature = "cuda")]
+#[test]
+fn no_kernel_spills_to_local_memory() {
+    use holdfast_hal::testing::assert_sm90a_frames_within;
+    assert_sm90a_frames_within(holdfast_kernels::source(), &[]);
+    assert_sm90a_frames_within(
+        holdfast_kernels::dense_source(),
+        &[("hf_rope_bf16", 32), ("hf_matmul_small_t_bf16", 8), ("hf_matmul_small_t_f32", 8)],
+    );
+}
+
 /// Every launcher of this crate launches dependent (`Stream::launch_dependent`), which needs every
 /// entry to wait for the kernel before it.
 #[cfg(feature = "cuda")]

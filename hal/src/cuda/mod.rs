@@ -20,12 +20,14 @@
 
 pub(crate) mod comm;
 mod compile;
+mod cubin;
 mod kcache;
 mod loader;
 mod nccl;
 
 pub(crate) use comm::CudaComm;
 pub use compile::{compile, nvrtc_unavailable_reason, nvrtc_version, ptx_entry_waits_for_prior};
+pub use cubin::{kernel_resources, KernelResources};
 pub use kcache::{kernel_cache_dir, KERNEL_CACHE_ENV};
 
 use std::ffi::{c_void, CString};
