@@ -240,14 +240,17 @@ __device__ __forceinline__ bool hf_c4a_keep(int32_t v, int32_t avail) { return v
 // contiguous chunk [h * ceil(k / T), ...) of the row and a block scan orders the threads). The
 // last block to finish (sync[1]) zeroes the status words and both counters for the next launch.
 // Integer sums only: exact in any order, so the output does not depend on which block took
-// which row.
+// which row. Where the launcher says the whole grid is resident at once (`resident`: one block
+// per row and at most half the multiprocessors' worth of blocks, so no block waits on one that
+// never starts), block b takes row b and no other, with no ticket round trips to L2.
 #define HF_C4A_AGG 0x40000000u
 #define HF_C4A_INC 0x80000000u
 #define HF_C4A_VALUE 0x3fffffffu
 HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions, const int32_t* slots,
                                   const int32_t* tok_req, const int32_t* table_rows, const int32_t* block_table,
                                   int32_t* lens, int32_t* indptr, int32_t* flat, int32_t* sync_i, int32_t* status_i,
-                                  uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs, uint32_t bt_width) {
+                                  uint32_t n, uint32_t k, uint32_t ratio, uint32_t cbs, uint32_t bt_width,
+                                  uint32_t resident) {
     hf_dependent_kernel_start();
     __shared__ int32_t part[HF_C4A_THREADS];
     __shared__ uint32_t s_ticket, s_last;
@@ -260,9 +263,9 @@ HF_KERNEL void hf_dsv4_c4a_decode(const int32_t* topk, const int32_t* positions,
     const uint32_t end = begin + chunk < k ? begin + chunk : k;
     const bool held = chunk <= HF_C4A_UNROLL;
     const int lane = (int)(threadIdx.x % HF_WARP_SIZE);
-    for (;;) {
+    for (uint32_t pass = 0;; ++pass) {
         __syncthreads();  // the previous row's readers of s_ticket and s_base are done
-        if (threadIdx.x == 0) s_ticket = atomicAdd(&sync[0], 1u);
+        if (threadIdx.x == 0) s_ticket = resident ? (pass == 0 ? blockIdx.x : n) : atomicAdd(&sync[0], 1u);
         __syncthreads();
         const uint32_t t = s_ticket;
         if (t >= n) break;
@@ -679,6 +682,7 @@ pub fn source() -> &'static KernelSource {
                         u("ratio"),
                         u("cbs"),
                         u("bt_width"),
+                        u("resident"),
                     ],
                     cpu: c4a_decode,
                 },
