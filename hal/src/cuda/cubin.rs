@@ -1,4 +1,5 @@
-//! What a compiled kernel costs each thread, read from its CUBIN: registers and local memory.
+//! What a compiled kernel costs, read from its CUBIN: registers and local memory per thread, and
+//! static shared memory per block (the size of its `.nv.shared.<kernel>` section).
 //!
 //! A CUBIN is an ELF64 file. Its `.nv.info` section holds attribute records (a format byte, an
 //! attribute byte, then a 2-byte value or a 2-byte length and that many bytes); the records that
