@@ -2,7 +2,7 @@
 //! `compute_global_topk_ragged_indices_and_indptr`), entirely on the device.
 
 use holdfast_graph::CgSupport;
-use holdfast_hal::{Buffer, Device, Stream, View};
+use holdfast_hal::{Buffer, Device, LaunchConfig, Stream, View};
 use holdfast_kernels::Kernels;
 
 use crate::common::{
@@ -57,17 +57,6 @@ impl std::fmt::Debug for C4aBuilder {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "C4aBuilder(topk {}, {} tokens)", self.topk, self.max_tokens)
     }
-}
-
-/// Whether the c4a decode build of `rows` rows runs with block `b` on row `b` (`resident` of
-/// `hf_dsv4_c4a_decode`) instead of rows taken by ticket: where the grid (a block per row) is at
-/// most half the multiprocessors, all of it is resident at once, so no block's look-back waits on
-/// a block that never starts, and each block saves the two round trips to L2 its tickets cost
-/// (the row's and the one that ends its loop). The outputs are the same either way. On an H100
-/// (three alternations) the upload + c4a build took 0.98× at 1 row, 0.97× at 8 and 0.99× at 64,
-/// and the step's upload + three builds 0.96–0.97×.
-fn resident_grid(rows: usize, compute_units: u32) -> bool {
-    2 * rows <= compute_units as usize
 }
 
 impl C4aBuilder {
@@ -179,26 +168,17 @@ impl C4aBuilder {
                 (C4A_RATIO as u32).into(),
                 (self.cbs as u32).into(),
                 (bt.max_blocks_per_seq as u32).into(),
-                u32::from(resident_grid(d, dev.info().compute_units)).into(),
+                // Block b takes row b where the grid (a block per row) is resident at once: no block
+                // spends its two round trips to L2 on tickets (the row's and the one that ends its
+                // loop), and no look-back waits on a block that never started; past that, tickets.
+                // The outputs are the same either way. On an H100 (three alternations) the upload
+                // + c4a build took 0.98× at 1 row, 0.97× at 8 and 0.99× at 64, and the step's
+                // upload + three builds 0.96–0.97×.
+                u32::from(LaunchConfig::grid_resident_at_once(d, dev.info().compute_units as usize)).into(),
             ];
             s.launch_dependent(&self.attn.c4a_decode, row_grid(d, C4A_THREADS), &args)?;
             Ok((Some(C4aDecode { lens, ragged }), 1))
         })?;
         Ok(C4aMetadata { layout, decode, stats: BuildStats { launches, host_syncs } })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::resident_grid;
-
-    #[test]
-    fn rows_take_their_block_index_while_the_grid_is_half_the_multiprocessors() {
-        assert!(resident_grid(1, 132));
-        assert!(resident_grid(66, 132));
-        assert!(!resident_grid(67, 132));
-        assert!(!resident_grid(1024, 132));
-        // A device that reports no units never takes the resident path.
-        assert!(!resident_grid(1, 0));
     }
 }

@@ -196,6 +196,15 @@ impl LaunchConfig {
         }
     }
 
+    /// Whether a grid of `blocks` blocks is resident all at once with room to spare on a device of
+    /// `compute_units` multiprocessors: at most half of them, each able to hold a block. A kernel
+    /// whose blocks wait for blocks of lower index (a chained scan, a tile barrier) may then order
+    /// them by block index instead of tickets claimed from a counter: no block can wait on one
+    /// that never starts.
+    pub const fn grid_resident_at_once(blocks: usize, compute_units: usize) -> bool {
+        2 * blocks <= compute_units
+    }
+
     /// A launch of `grid` blocks of `block` threads in x.
     pub const fn blocks(grid: u32, block: u32) -> Self {
         LaunchConfig { grid: (grid, 1, 1), block: (block, 1, 1), shared_mem_bytes: 0 }
@@ -369,5 +378,20 @@ impl Module {
     /// The device this module belongs to (its id, as [`crate::Device::id`]).
     pub fn device_id(&self) -> u64 {
         self.device_id
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LaunchConfig;
+
+    #[test]
+    fn a_grid_is_resident_at_once_up_to_half_the_multiprocessors() {
+        assert!(LaunchConfig::grid_resident_at_once(1, 132));
+        assert!(LaunchConfig::grid_resident_at_once(66, 132));
+        assert!(!LaunchConfig::grid_resident_at_once(67, 132));
+        assert!(!LaunchConfig::grid_resident_at_once(1024, 132));
+        // A device that reports no units holds no grid at once.
+        assert!(!LaunchConfig::grid_resident_at_once(1, 0));
     }
 }

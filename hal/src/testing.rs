@@ -118,11 +118,8 @@ pub fn assert_compiles_for_sm_90(src: &crate::KernelSource) -> Option<usize> {
 /// failure: this is a test helper.
 #[cfg(feature = "cuda")]
 pub fn assert_entries_wait_for_prior(src: &crate::KernelSource) -> bool {
-    if compiler_missing("NVRTC", "HOLDFAST_REQUIRE_NVRTC", crate::cuda::nvrtc_unavailable_reason()) {
-        return false;
-    }
-    let (_, ptx) = crate::cuda::compile(src, "sm_90a", 32).unwrap_or_else(|e| panic!("sm_90a: {e}"));
-    let ptx = String::from_utf8_lossy(&ptx);
+    let Some(compiled) = sm90a(src) else { return false };
+    let ptx = String::from_utf8_lossy(&compiled.ptx);
     let missing: Vec<&str> =
         src.entries.iter().map(|e| e.name).filter(|n| !crate::cuda::ptx_entry_waits_for_prior(&ptx, n)).collect();
     assert!(missing.is_empty(), "`{}`: entries that never wait for the kernel before them: {missing:?}", src.name);
@@ -136,11 +133,8 @@ pub fn assert_entries_wait_for_prior(src: &crate::KernelSource) -> bool {
 /// failure: this is a test helper.
 #[cfg(feature = "cuda")]
 pub fn sm90a_kernel_resources(src: &crate::KernelSource) -> Option<Vec<crate::cuda::KernelResources>> {
-    if compiler_missing("NVRTC", "HOLDFAST_REQUIRE_NVRTC", crate::cuda::nvrtc_unavailable_reason()) {
-        return None;
-    }
-    let (cubin, _) = crate::cuda::compile(src, "sm_90a", 32).unwrap_or_else(|e| panic!("sm_90a: {e}"));
-    let found = crate::cuda::kernel_resources(&cubin).unwrap_or_else(|e| panic!("`{}`: {e}", src.name));
+    let compiled = sm90a(src)?;
+    let found = crate::cuda::kernel_resources(&compiled.cubin).unwrap_or_else(|e| panic!("`{}`: {e}", src.name));
     let mut names: Vec<&str> = found.iter().map(|k| k.name.as_str()).collect();
     names.sort_unstable();
     let mut want: Vec<&str> = src.entries.iter().map(|e| e.name).collect();
@@ -174,6 +168,17 @@ pub fn assert_sm90a_frames_within(src: &crate::KernelSource, frames: &[(&str, u3
         .collect();
     assert!(over.is_empty(), "`{}`: kernels with more local memory than allowed: {over:?}", src.name);
     true
+}
+
+/// `src` compiled for `sm_90a` (warp 32) as a CUDA device loads it, through the kernel cache, so
+/// the checks above compile each source once per machine; `None` (after printing a `skipped:`
+/// line) where NVRTC is missing, unless `HOLDFAST_REQUIRE_NVRTC` is set.
+#[cfg(feature = "cuda")]
+fn sm90a(src: &crate::KernelSource) -> Option<crate::cuda::Compiled> {
+    if compiler_missing("NVRTC", "HOLDFAST_REQUIRE_NVRTC", crate::cuda::nvrtc_unavailable_reason()) {
+        return None;
+    }
+    Some(crate::cuda::compile_cached(src, "sm_90a", 32).unwrap_or_else(|e| panic!("`{}` for sm_90a: {e}", src.name)))
 }
 
 /// Compiles `src` with hipRTC for `gfx90a` (wavefront 64): the CI compile check of a crate's

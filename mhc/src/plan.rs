@@ -169,11 +169,6 @@ impl ReducePlan {
     }
 }
 
-/// Whether a grid of `blocks` is small enough to be resident all at once with room to spare.
-fn resident_grid(blocks: usize, units: usize) -> bool {
-    2 * blocks <= units
-}
-
 /// How the projection items run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct ReduceShape {
@@ -239,10 +234,14 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         let tiles = tokens.div_ceil(tile);
         let mut config = LaunchConfig::blocks(u32::try_from(tiles * s).unwrap_or(u32::MAX), THREADS);
         config.shared_mem_bytes = resident_shared_bytes(kind, tile);
-        let resident_grid = resident_grid(tiles * s, units);
+        let resident_grid = LaunchConfig::grid_resident_at_once(tiles * s, units);
         return ReducePlan { tile_tokens: tile, finish_tokens: 0, tiles, config, resident_grid, self_finish: false };
     }
-    if kind == Reduce::Head && shape.tile_tokens.is_none() && tokens <= FINISH_MAX && resident_grid(s, units) {
+    if kind == Reduce::Head
+        && shape.tile_tokens.is_none()
+        && tokens <= FINISH_MAX
+        && LaunchConfig::grid_resident_at_once(s, units)
+    {
         // Decode sizes: the projection items finish their own h; the grid is resident at once.
         let config = LaunchConfig::blocks(s as u32, THREADS);
         return ReducePlan {
@@ -276,7 +275,7 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         finish_tokens: finish,
         tiles,
         config: LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS),
-        resident_grid: resident_grid(blocks, units),
+        resident_grid: LaunchConfig::grid_resident_at_once(blocks, units),
         self_finish: false,
     }
 }
