@@ -6,15 +6,16 @@
 //! ```
 //!
 //! `OP` is `hc_head`, `mhc_pre`, `mhc_post` or `mhc_fused_post_pre` (the names [`MhcOp::name`]
-//! gives); the op runs on the default path ([`MhcProjection::Auto`]) over patterned inputs. It
+//! gives); the op runs on the default path ([`MhcProjection::Auto`]; `MHC_PASSES=one|two` forces
+//! [`MhcPasses`]) over patterned inputs. It
 //! prints the mean time per call over `ITERS` calls after as many warm-up calls, the bytes the op
 //! moves ([`MhcOp::bytes_moved`]) and their rate, and a hash of the outputs (equal hashes: equal
 //! bits).
 
 use holdfast_hal::{bf16, Buffer, Device, Element, Stream};
 use holdfast_mhc::{
-    HcHeadParams, HcHeadWeights, MhcConfig, MhcKernels, MhcOp, MhcOps, MhcPostInputs, MhcPreOutputs, MhcPreParams,
-    MhcPreWeights, MhcProjection, HC_MULT,
+    HcHeadParams, HcHeadWeights, MhcConfig, MhcKernels, MhcOp, MhcOps, MhcPasses, MhcPostInputs, MhcPreOutputs,
+    MhcPreParams, MhcPreWeights, MhcProjection, HC_MULT,
 };
 
 const USAGE: &str = "usage: mhc_case hc_head|mhc_pre|mhc_post|mhc_fused_post_pre H T ITERS";
@@ -35,6 +36,16 @@ fn from_fn<T: Element>(dev: &Device, label: &str, len: usize, f: impl Fn(usize) 
     Ok(dev.alloc_from_slice(label, &v, true)?)
 }
 
+/// `MHC_PASSES` (`auto`, `one`, `two`; default `auto`): [`MhcPasses`].
+fn passes() -> Res<MhcPasses> {
+    match std::env::var("MHC_PASSES").as_deref() {
+        Err(_) | Ok("auto") => Ok(MhcPasses::Auto),
+        Ok("one") => Ok(MhcPasses::One),
+        Ok("two") => Ok(MhcPasses::Two),
+        Ok(other) => Err(format!("MHC_PASSES `{other}` (auto, one or two)").into()),
+    }
+}
+
 fn run() -> Res<()> {
     let a: Vec<String> = std::env::args().skip(1).collect();
     if a.len() != 4 {
@@ -48,7 +59,8 @@ fn run() -> Res<()> {
     let s = dev.create_stream()?;
     let kernels = MhcKernels::new(&dev)?;
     let ops = MhcOps::new(&dev, &kernels, MhcConfig { hc_mult: N, hidden: h, max_tokens: t.max(1) })?
-        .with_projection(MhcProjection::Auto);
+        .with_projection(MhcProjection::Auto)
+        .with_passes(passes()?);
     let pat = |i: usize, scale: f32| (((i.wrapping_mul(2_654_435_761) >> 20) & 255) as f32 / 128.0 - 1.0) * scale;
     let residual = from_fn(&dev, "residual", t * d, |i| bf16::from_f32(pat(i, 1.0)))?;
     let x = from_fn(&dev, "x", t * h, |i| bf16::from_f32(pat(i + 3, 1.0)))?;
@@ -112,9 +124,11 @@ fn run() -> Res<()> {
     }
     let bytes = op.bytes_moved(t, h);
     println!(
-        "{} ({}): H {h}, T {t}: {per_call:.1} µs per call, {bytes} bytes, {:.0} GB/s, output hash {hash:016x}",
+        "{} ({}): H {h}, T {t}, {} launch(es): {per_call:.1} µs per call, {bytes} bytes, {:.0} GB/s, output hash \
+         {hash:016x}",
         op.name(),
         dev.info().name,
+        ops.launch_configs(op, t).len(),
         bytes as f64 / per_call / 1e3,
     );
     Ok(())

@@ -1,4 +1,5 @@
-//! `mhc_fused_post_pre` (§6.4): one sublayer's post and the next sublayer's pre in one launch.
+//! `mhc_fused_post_pre` (§6.4): one sublayer's post and the next sublayer's pre in one launch (two
+//! where [`crate::MhcPasses`] takes two).
 
 use holdfast_hal::{bf16, Stream, View};
 
@@ -23,8 +24,8 @@ pub struct MhcPostInputs<'a> {
 
 impl MhcOps {
     /// `residual_out = post(x, residual, post, comb)` (see [`MhcOps::post`]) and then
-    /// [`MhcOps::pre`] of `residual_out` with the next sublayer's weights, in one launch;
-    /// bit-identical to the two ops run in sequence. `residual_out` may be exactly
+    /// [`MhcOps::pre`] of `residual_out` with the next sublayer's weights, in one launch
+    /// (two where [`crate::MhcPasses`] takes two); bit-identical to the two ops run in sequence. `residual_out` may be exactly
     /// `input.residual` (in place); no other overlap is allowed. No launch for `T = 0`.
     pub fn fused_post_pre(
         &self,
@@ -94,6 +95,6 @@ impl MhcOps {
                 p.flags().into(),
             ],
         )?;
-        Ok(())
+        self.launch_finish(stream, &p, residual_out, weights, params, out)
     }
 }

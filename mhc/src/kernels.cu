@@ -53,6 +53,7 @@
 #define MHC_TT_FUSED 2
 #define MHC_UNROLL_FUSED 1
 #define MHC_BLOCKS_FUSED 1
+#define MHC_BLOCKS_FINISH 2
 #endif
 
 static_assert(HF_WARP_SIZE % 32 == 0, "32-lane groups must not straddle warps");
@@ -331,6 +332,9 @@ __device__ __forceinline__ MhcItem mhc_item(uint32_t p, uint32_t S, uint32_t F, 
 // projection items finish their own h (grid = tiles x S, no finish items; decode sizes).
 #define MHC_RESIDENT_GRID 1u
 #define MHC_SELF_FINISH 2u
+// mhc_pre / fused with tensor cores, large T: the launch is the streamed projection pass (partials
+// only; the fused op's residual_out too), and mhc_pre_finish_n4 follows it (see below).
+#define MHC_STREAM 4u
 
 // A block's ticket. When the host says the whole grid is resident at once (bit MHC_RESIDENT_GRID
 // of the `resident` flags: at most
@@ -511,6 +515,8 @@ __device__ void mhc_project(const hf_bf16* __restrict__ residual, const hf_bf16*
 #define MHC_ST_HEAD 3
 #define MHC_ST_PRE 4
 #define MHC_ST_FUSED 4
+#define MHC_ST_STREAM_PRE 4    // the streamed projection's ring (plan.rs `stream_stages`)
+#define MHC_ST_STREAM_FUSED 4
 #endif
 
 template <int ST, int PC, int V>
@@ -582,12 +588,15 @@ __device__ __forceinline__ float* mhc_gate_copy(float* partials, uint32_t T, uin
 // run of instructions: at decode sizes the kernel's time goes to fetching them).
 // Every m-tile keeps its own stage (`stages` of them): the item's pieces stay in shared memory for
 // its outputs, the fused op's replaced by the post-mixed streams. ST - 1 m-tiles are in flight.
-template <int J, int ST, bool FUSED, bool VEC>
+// RING (the streamed projection pass): the m-tiles cycle through ST stages instead (m-tile m in
+// stage m % ST), and the fused op's post-mixed pieces go straight to residual_out; the arithmetic
+// is the same, so are the partials.
+template <int J, int ST, bool FUSED, bool VEC, bool RING = false>
 __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_bf16* __restrict__ x_in,
                                 const float* __restrict__ post_in, const float* __restrict__ comb_in,
                                 const float* __restrict__ fn, float* __restrict__ partials, uint32_t H, uint32_t S,
                                 uint32_t split, uint32_t t_begin, uint32_t t_end, uint32_t stages,
-                                float* __restrict__ gcopy = nullptr) {
+                                float* __restrict__ gcopy = nullptr, hf_bf16* __restrict__ residual_out = nullptr) {
     constexpr int V = J + 1;
     constexpr int NT = (J + 7) / 8;
     constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;
@@ -633,12 +642,12 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
         {
             const uint32_t nm = m + ST - 1;
             if (nm < M)
-                mhc_mma_issue<PC, VEC>(slot + nm * Smem::stage_bytes, residual, x_in, H,
+                mhc_mma_issue<PC, VEC>(slot + (RING ? nm % ST : nm) * Smem::stage_bytes, residual, x_in, H,
                                   t_begin + 16 * nm, t_end, g, h0);
             hf_cp_async_commit();
         }
         hf_cp_async_wait<ST - 1>();
-        const uint32_t base = slot + m * Smem::stage_bytes;
+        const uint32_t base = slot + (RING ? m % ST : m) * Smem::stage_bytes;
         const uint32_t tm = t_begin + 16 * m;
         mhc_u32x4 p[MHC_N][2];
 #pragma unroll
@@ -660,7 +669,10 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
 #pragma unroll
                     for (int c = 0; c < MHC_N; ++c) {
                         p[c][rr] = mixed[c];
-                        mhc_sts16(base + 512u * (2 * c + rr), mixed[c]);
+                        if (!RING)
+                            mhc_sts16(base + 512u * (2 * c + rr), mixed[c]);
+                        else if (h0 < H)
+                            mhc_store8<VEC>(residual_out + (t * MHC_N + c) * H, h0, H, mixed[c]);
                     }
                 }
             }
@@ -1136,6 +1148,49 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
 }
 #endif
 
+#if defined(HF_HAS_MMA)
+// ---- two passes (tensor cores, large T): a streamed projection, then finish blocks ---------------
+//
+// Where a tile's items would spend more time on their fixed phases (the `fn` fragments, the tile
+// barrier, the gates' round trips) than on their bytes, mhc_pre and the fused op run as two
+// launches that read the residual twice but never wait for each other inside a launch:
+//   1. the projection pass (MHC_STREAM): the S · M units (split, m-tile of 16 tokens), split-major,
+//      are cut into gridDim.x equal contiguous ranges, one per block (one block per
+//      multiprocessor). A block loads a split's `fn` fragments once per run of its range within
+//      that split (one or two runs) and streams the run's m-tiles through a ring of ST stages,
+//      writing each (token, split)'s partials exactly as the resident items do (same fragments,
+//      same MMA order, same cross-warp sums: the same bits); the fused op also writes the
+//      post-mixed streams to residual_out.
+//   2. mhc_pre_finish_n4: block (g, p) takes tokens [16 g, 16 g + 16) and the p-th of gridDim.y
+//      equal runs of 8-h chunks; it sums the tokens' partials in split order, computes the pre
+//      gates (block p = 0 also post and comb, Sinkhorn) and writes its chunks of layer_input from
+//      the (post-mixed) residual, with the finish items' arithmetic: the bits of the resident
+//      items again, so a token's outputs do not depend on which path T selects.
+template <int J, bool FUSED, bool VEC>
+__device__ void mhc_stream_project(const MhcPreArgs& a) {
+    constexpr int ST = FUSED ? MHC_ST_STREAM_FUSED : MHC_ST_STREAM_PRE;
+    const uint32_t S = (a.H + MHC_SPLIT_H - 1) / MHC_SPLIT_H, M = (a.T + 15) / 16;
+    const uint64_t W = (uint64_t)S * M;
+    uint64_t u = W * blockIdx.x / gridDim.x;
+    const uint64_t end = W * (blockIdx.x + 1) / gridDim.x;
+    while (u < end) {
+        const uint32_t split = (uint32_t)(u / M), m0 = (uint32_t)(u % M);
+        const uint32_t m1 = (uint32_t)min((uint64_t)M, m0 + (end - u));
+        mhc_project_mma<J, ST, FUSED, VEC, true>(a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S,
+                                                 split, 16 * m0, min(a.T, 16 * m1), ST, nullptr, a.residual_out);
+        u += m1 - m0;
+        __syncthreads();  // the next run's copies reuse the ring, its sums the reduction buffers
+    }
+}
+
+template <bool FUSED>
+__device__ __forceinline__ bool mhc_stream_launch_ok() {
+    using Smem = MhcMmaSmem<FUSED ? MHC_ST_STREAM_FUSED : MHC_ST_STREAM_PRE, FUSED ? MHC_N + 1 : MHC_N,
+                            MHC_N * (MHC_N + 2) + 1>;
+    return mhc_dynamic_smem() >= Smem::bytes;
+}
+#endif
+
 template <bool VEC, bool FUSED>
 __device__ void mhc_pre_body(const MhcPreArgs& a, uint32_t ticket) {
     constexpr int J = MHC_N * (MHC_N + 2);
@@ -1168,6 +1223,14 @@ __device__ __forceinline__ void mhc_pre_entry(const MhcPreArgs& a) {
     if (FUSED) vec = vec && mhc_aligned16(a.x_in) && mhc_aligned16(a.residual_out);
 #if defined(HF_HAS_MMA)
     constexpr int J = MHC_N * (MHC_N + 2);
+    if (a.finish_tokens == 0 && (a.resident & MHC_STREAM) != 0u) {
+        if (!mhc_stream_launch_ok<FUSED>()) return;
+        if (vec)
+            mhc_stream_project<J, FUSED, true>(a);
+        else
+            mhc_stream_project<J, FUSED, false>(a);
+        return;
+    }
     if (a.finish_tokens == 0) {
         if (!mhc_resident_launch_ok<J, FUSED>(a.T, S, a.tile_tokens)) return;
         const uint32_t ticket = mhc_claim(a.sync, a.resident);
@@ -1260,6 +1323,39 @@ HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_FUSED) mhc_fused_post_p
     a.resident = resident;
     a.rms_eps = rms_eps; a.pre_eps = pre_eps; a.sinkhorn_eps = sinkhorn_eps; a.post_mult = post_mult;
     mhc_pre_entry<true>(a);
+}
+
+// The second pass after a streamed projection (MHC_STREAM): (post [T, n], comb [T, n, n],
+// layer_input [T, H]) from the partials and the residual [T, n, H] (the fused op's residual_out).
+// Grid (ceil(T / 16), parts): block (g, p) owns tokens [16 g, 16 g + 16) and the p-th run of 8-h
+// chunks.
+HF_KERNEL void __launch_bounds__(MHC_THREADS, MHC_BLOCKS_FINISH) mhc_pre_finish_n4(
+    const hf_bf16* residual, const float* scale, const float* base, float* post_out, float* comb_out,
+    hf_bf16* layer_input, const float* partials, uint32_t T, uint32_t H, float rms_eps, float pre_eps,
+    float sinkhorn_eps, float post_mult, uint32_t iters) {
+    hf_dependent_kernel_start();
+    constexpr int J = MHC_N * (MHC_N + 2);
+    const uint32_t t0 = blockIdx.x * MHC_FINISH_MAX;
+    if (t0 >= T || H == 0) return;
+    MhcPreArgs a = {};
+    a.residual = residual; a.scale = scale; a.base = base; a.post_out = post_out; a.comb_out = comb_out;
+    a.layer_input = layer_input; a.partials = const_cast<float*>(partials); a.T = T; a.H = H; a.iters = iters;
+    a.rms_eps = rms_eps; a.pre_eps = pre_eps; a.sinkhorn_eps = sinkhorn_eps; a.post_mult = post_mult;
+    const uint32_t S = (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H, count = min((uint32_t)MHC_FINISH_MAX, T - t0);
+    const uint32_t HC = (H + MHC_CHUNK - 1) / MHC_CHUNK, P = gridDim.y, p = blockIdx.y;
+    const uint32_t c0 = (uint32_t)((uint64_t)HC * p / P), c1 = (uint32_t)((uint64_t)HC * (p + 1) / P);
+    __shared__ float s_pre[MHC_FINISH_MAX][MHC_N];
+    if (p == 0)
+        mhc_pre_gates(a, S, t0, count, s_pre);
+    else
+        mhc_tile_gates<J + 1>(a.partials, S, t0, count, H, scale, base, rms_eps, pre_eps, s_pre);
+    const bool vec = (H % MHC_CHUNK == 0) && mhc_aligned16(residual) && mhc_aligned16(layer_input);
+    if (vec)
+        mhc_weighted_rows<true, false>(residual, nullptr, nullptr, nullptr, s_pre, layer_input, H, t0, count, c0,
+                                       c1 - c0);
+    else
+        mhc_weighted_rows<false, false>(residual, nullptr, nullptr, nullptr, s_pre, layer_input, H, t0, count, c0,
+                                        c1 - c0);
 }
 
 // ---- mhc_post ----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ pub(crate) const HC_HEAD_CLUSTER: &str = "mhc_hc_head_cluster_n4";
 pub(crate) const PRE: &str = "mhc_pre_n4";
 pub(crate) const FUSED_POST_PRE: &str = "mhc_fused_post_pre_n4";
 pub(crate) const POST: &str = "mhc_post_n4";
+pub(crate) const PRE_FINISH: &str = "mhc_pre_finish_n4";
 
 type HalResult<T> = holdfast_hal::Result<T>;
 
@@ -137,6 +138,44 @@ fn pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     layer.write(0, &li)
 }
 
+/// `mhc_pre_finish_n4`: the second pass after a streamed projection, from the partials `[T, S, 25]`
+/// (summed in split order, as the kernel does) and the residual. The CPU backend never runs the
+/// streamed projection (it has no tensor cores); this runs the finish on partials put there by
+/// whoever fills them.
+fn pre_finish_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (residual, scale, base) = (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<f32>(2)?);
+    let (post, comb, layer, partials) = (l.ptr::<f32>(3)?, l.ptr::<f32>(4)?, l.ptr::<bf16>(5)?, l.ptr::<f32>(6)?);
+    let (t, h) = (l.count(7)?, l.count(8)?);
+    let params = pre_params(l, 9)?;
+    if t == 0 {
+        return Ok(());
+    }
+    let (n, d, s, v) = (HC_MULT, HC_MULT * h, reference::splits(h), PRE_ROWS + 1);
+    at_least(l, "residual", residual.len(), t * d)?;
+    at_least(l, "post", post.len(), t * n)?;
+    at_least(l, "comb", comb.len(), t * n * n)?;
+    at_least(l, "layer_input", layer.len(), t * h)?;
+    at_least(l, "partials", partials.len(), t * s * v)?;
+    let (scale, base) = (scale.read(0, 3)?, base.read(0, PRE_ROWS)?);
+    let (r, p) = (reference::to_f32(&residual.read(0, t * d)?), partials.read(0, t * s * v)?);
+    let (mut po, mut co, mut li) = (vec![0.0f32; t * n], vec![0.0f32; t * n * n], vec![bf16::ZERO; t * h]);
+    for k in 0..t {
+        let mut sums = [0.0f32; PRE_ROWS + 1];
+        for (j, sum) in sums.iter_mut().enumerate() {
+            *sum = (1..s).fold(p[k * s * v + j], |a, split| a + p[(k * s + split) * v + j]);
+        }
+        let out = reference::PreRow {
+            post: &mut po[k * n..(k + 1) * n],
+            comb: &mut co[k * n * n..(k + 1) * n * n],
+            layer_input: &mut li[k * h..(k + 1) * h],
+        };
+        reference::pre_finish_row(&sums, &r[k * d..(k + 1) * d], &scale, &base, h, &params, out);
+    }
+    post.write(0, &po)?;
+    comb.write(0, &co)?;
+    layer.write(0, &li)
+}
+
 fn fused_post_pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (x, residual, post_in, comb_in) = (l.ptr::<bf16>(0)?, l.ptr::<bf16>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?);
     let (hc_fn, scale, base) = (l.ptr::<f32>(4)?, l.ptr::<f32>(5)?, l.ptr::<f32>(6)?);
@@ -213,6 +252,15 @@ fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 ///   post, comb, layer_input, partials, sync, T, H, …as mhc_pre)`
 /// - `mhc_post_n4(x [T,H], residual [T,n,H], post [T,n], comb [T,n,n], out [T,n,H], T, H,
 ///   tokens_per_block)`
+/// - `mhc_pre_finish_n4(residual [T,n,H], scale [3], base [m], post [T,n], comb [T,n,n],
+///   layer_input [T,H], partials [T,S,m+1], T, H, rms_eps, pre_eps, sinkhorn_eps, post_mult,
+///   sinkhorn_iters)`: the second launch after a streamed projection (grid `(ceil(T / 16), parts)`)
+///
+/// `resident` bit 2 (with `finish_tokens = 0`, `mhc_pre` and the fused op, tensor cores only)
+/// makes the launch the streamed projection pass: partials only (and the fused op's
+/// `residual_out`), the `S · ceil(T / 16)` (split, 16-token) units cut into one equal run per
+/// block, dynamic shared memory of 4 stages; `mhc_pre_finish_n4` on the (post-mixed) residual
+/// then writes the outputs.
 ///
 /// `finish_tokens = 0` selects the resident tensor-core items (sm_80+ only; grid `tiles · S`,
 /// dynamic shared memory per `tile_tokens`); `1..=16` the portable projection and finish items
@@ -279,6 +327,18 @@ pub fn source() -> &'static KernelSource {
         ];
         fused.extend(workspace());
         fused.extend(pre_scalars());
+        let mut finish = vec![
+            Param::input::<bf16>("residual"),
+            Param::input::<f32>("scale"),
+            Param::input::<f32>("base"),
+            Param::output::<f32>("post_out"),
+            Param::output::<f32>("comb_out"),
+            Param::output::<bf16>("layer_input"),
+            Param::input::<f32>("partials"),
+            u("T"),
+            u("H"),
+        ];
+        finish.extend([f("rms_eps"), f("pre_eps"), f("sinkhorn_eps"), f("post_mult"), u("iters")]);
         let post = vec![
             Param::input::<bf16>("x"),
             Param::input::<bf16>("residual"),
@@ -298,6 +358,7 @@ pub fn source() -> &'static KernelSource {
                 KernelEntry { name: PRE, params: pre, cpu: pre_cpu },
                 KernelEntry { name: FUSED_POST_PRE, params: fused, cpu: fused_post_pre_cpu },
                 KernelEntry { name: POST, params: post, cpu: post_cpu },
+                KernelEntry { name: PRE_FINISH, params: finish, cpu: pre_finish_cpu },
             ],
         }
     })
@@ -313,6 +374,7 @@ pub struct MhcKernels {
     pub(crate) pre: Kernel,
     pub(crate) fused_post_pre: Kernel,
     pub(crate) post: Kernel,
+    pub(crate) pre_finish: Kernel,
 }
 
 impl MhcKernels {
@@ -327,6 +389,7 @@ impl MhcKernels {
             pre: module.kernel(PRE)?,
             fused_post_pre: module.kernel(FUSED_POST_PRE)?,
             post: module.kernel(POST)?,
+            pre_finish: module.kernel(PRE_FINISH)?,
             module,
         })
     }

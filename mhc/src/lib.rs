@@ -109,7 +109,7 @@ pub mod reference;
 pub use error::{MhcError, Result};
 pub use fused::MhcPostInputs;
 pub use kernels::{source, MhcKernels};
-pub use ops::{HcHeadWeights, MhcConfig, MhcOps, MhcPreOutputs, MhcPreWeights, MhcProjection};
+pub use ops::{HcHeadWeights, MhcConfig, MhcOps, MhcPasses, MhcPreOutputs, MhcPreWeights, MhcProjection};
 pub use params::{HcHeadParams, MhcOp, MhcPreParams};
 
 /// Residual streams per token (`hc_mult`) that the kernels are built for.

@@ -1,10 +1,10 @@
 //! [`MhcOps`]: the launchers, their configuration and their workspace.
 
-use holdfast_hal::{bf16, Buffer, Device, LaunchConfig, RawView, View};
+use holdfast_hal::{bf16, Buffer, Device, LaunchConfig, RawView, Stream, View};
 
 use crate::error::{MhcError, Result};
 use crate::kernels::MhcKernels;
-use crate::params::MhcOp;
+use crate::params::{MhcOp, MhcPreParams};
 use crate::plan::{self, Reduce};
 use crate::reference::{splits, PRE_ROWS};
 use crate::HC_MULT;
@@ -49,6 +49,25 @@ pub enum MhcProjection {
     Portable,
 }
 
+/// How many launches `mhc_pre` and the fused op make on tensor cores (the portable path and
+/// `hc_head` always make one). Every choice gives the same bits.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MhcPasses {
+    /// Two where every multiprocessor has enough work for them to pay (`T · ceil(H / 256)` at
+    /// least 96 times the multiprocessors for `mhc_pre`, 48 times for the fused op: on an H100 or
+    /// H200 from T = 1024 / 512 at H = 4096 and T = 512 / 256 at H = 7168), else one.
+    #[default]
+    Auto,
+    /// One launch: resident items, each tile's items waiting for each other and keeping the
+    /// tile's rows in shared memory (the residual is read once).
+    One,
+    /// Two launches: a streamed projection (one block per multiprocessor, each loading its
+    /// splits' weights once; partials only, and the fused op's updated residual), then finish
+    /// blocks that read the (updated) residual again for `layer_input`. More bytes, no waits
+    /// inside a launch.
+    Two,
+}
+
 /// The weights of `hc_head` (§6.5), all f32.
 #[derive(Clone, Copy, Debug)]
 pub struct HcHeadWeights<'a> {
@@ -86,8 +105,8 @@ pub struct MhcPreOutputs<'a> {
 /// The mHC ops on one device, for one [`MhcConfig`].
 ///
 /// Every op takes caller-provided views (exact lengths for the call's `T`, derived from the
-/// residual's length), validates them, and enqueues exactly one kernel launch on the stream (none
-/// for `T = 0`). Launch shapes depend on `T` alone, so the ops are capturable: capture at a padded
+/// residual's length), validates them, and enqueues one kernel launch on the stream (none for `T
+/// = 0`; two for `mhc_pre` and the fused op where they take [`MhcPasses::Two`]). Launch shapes depend on `T` alone, so the ops are capturable: capture at a padded
 /// `T` with views of persistent buffers and replay with fresh contents.
 ///
 /// The split-reduction ops (`hc_head`, `mhc_pre`, `mhc_fused_post_pre`) share one persistent
@@ -144,7 +163,8 @@ impl MhcOps {
         } else {
             0
         };
-        let shape = plan::ReduceShape { mma: has_mma, head_mma: false, tile_tokens: None, max_shared };
+        let shape =
+            plan::ReduceShape { mma: has_mma, head_mma: false, tile_tokens: None, max_shared, passes: MhcPasses::Auto };
         Ok(MhcOps {
             kernels: kernels.clone(),
             config,
@@ -182,6 +202,13 @@ impl MhcOps {
         })
     }
 
+    /// Chooses one launch or two for `mhc_pre` and the fused op on tensor cores ([`MhcPasses`];
+    /// `Auto` by default). A tuning knob: every choice gives the same bits.
+    pub fn with_passes(mut self, passes: MhcPasses) -> Self {
+        self.shape.passes = passes;
+        self
+    }
+
     /// Forces the tokens per projection tile (`1..=128`; `None`: the plan's choice, a function of
     /// `T`, `H` and the multiprocessor count). A tuning knob: every tile gives the same bits (a
     /// token's reduction order depends on `H` alone). Fails outside `1..=128`.
@@ -205,8 +232,20 @@ impl MhcOps {
         self.partials.bytes() + self.sync.bytes()
     }
 
-    /// The launch `op` makes for `tokens` tokens (`None` for 0: nothing is launched). A function
-    /// of `tokens` for a given `MhcOps`, so every call at a padded size launches the same shape.
+    /// Every launch `op` makes for `tokens` tokens, in order (none for 0; two where `mhc_pre` or
+    /// the fused op takes [`MhcPasses::Two`]). A function of `tokens` for a given `MhcOps`.
+    pub fn launch_configs(&self, op: MhcOp, tokens: usize) -> Vec<LaunchConfig> {
+        let first = self.launch_config(op, tokens);
+        let second = match Reduce::of(op) {
+            Some(kind) if tokens > 0 && !self.uses_clusters(op) => self.reduce_plan(kind, tokens).finish,
+            _ => None,
+        };
+        first.into_iter().chain(second).collect()
+    }
+
+    /// The (first) launch `op` makes for `tokens` tokens (`None` for 0: nothing is launched). A
+    /// function of `tokens` for a given `MhcOps`, so every call at a padded size launches the same
+    /// shape; [`Self::launch_configs`] gives the second where there is one.
     pub fn launch_config(&self, op: MhcOp, tokens: usize) -> Option<LaunchConfig> {
         if tokens == 0 {
             return None;
@@ -231,6 +270,42 @@ impl MhcOps {
             return Err(MhcError::TooManyTokens { op, tokens: t, max_tokens: self.config.max_tokens });
         }
         Ok(t)
+    }
+
+    /// The second of the two passes ([`MhcPasses::Two`]), if `plan` has one: `mhc_pre_finish_n4`
+    /// on `residual` (the fused op's `residual_out`), after the streamed projection.
+    pub(crate) fn launch_finish(
+        &self,
+        stream: &Stream,
+        plan: &plan::ReducePlan,
+        residual: &View<bf16>,
+        weights: &MhcPreWeights<'_>,
+        params: &MhcPreParams,
+        out: &MhcPreOutputs<'_>,
+    ) -> Result<()> {
+        let Some(config) = plan.finish else { return Ok(()) };
+        let tokens = out.post.len() / HC_MULT;
+        stream.launch_dependent(
+            &self.kernels.pre_finish,
+            config,
+            &[
+                residual.into(),
+                weights.scale.into(),
+                weights.base.into(),
+                out.post.into(),
+                out.comb.into(),
+                out.layer_input.into(),
+                (&self.partials).into(),
+                (tokens as u32).into(),
+                (self.config.hidden as u32).into(),
+                params.rms_eps.into(),
+                params.pre_eps.into(),
+                params.sinkhorn_eps.into(),
+                params.post_mult.into(),
+                params.sinkhorn_iters.into(),
+            ],
+        )?;
+        Ok(())
     }
 
     pub(crate) fn check_pre_weights(&self, op: &'static str, w: &MhcPreWeights<'_>) -> Result<()> {

@@ -113,6 +113,43 @@ pub(crate) fn workspace_floats(tokens: usize, splits: usize) -> usize {
     (tokens * splits * (PRE_ROWS + 1)).next_multiple_of(4) + tokens * (HC_MULT + 1) * splits.next_multiple_of(4)
 }
 
+/// Stages of the streamed projection pass's ring (`MHC_ST_STREAM_PRE`, `MHC_ST_STREAM_FUSED` in
+/// `kernels.cu`).
+fn stream_stages(kind: Reduce) -> usize {
+    match kind {
+        Reduce::Head | Reduce::Pre => 4,
+        Reduce::Fused => 4,
+    }
+}
+/// Whether [`crate::MhcPasses::Auto`] takes the two passes: where every multiprocessor has at
+/// least this many (token, split) pairs of work (`T · S / units`): 96 for `mhc_pre`, 48 for the
+/// fused op, whose one-launch items spend longer on each tile. Measured on an H100 (two passes
+/// against one): `mhc_pre` H 4096 T 512 (62 per unit) 23.2 against 21.1 µs, T 1024 (124) 36.0
+/// against 45.6; H 7168 T 256 (54) 24.7 against 22.9, T 512 (108) 34.8 against 43.8; the fused op
+/// H 4096 T 256 (31) 24.2 against 22.0, T 512 (62) 39.5 against 42.8, H 7168 T 256 (54) 39.0
+/// against 40.2.
+fn stream_pays(kind: Reduce, tokens: usize, hidden: usize, units: usize) -> bool {
+    let per_unit = match kind {
+        Reduce::Head | Reduce::Pre => 96,
+        Reduce::Fused => 48,
+    };
+    tokens.saturating_mul(splits(hidden)) >= per_unit * units
+}
+/// Fewest 8-h chunks per finish block of the two passes.
+const FINISH_MIN_CHUNKS: usize = 64;
+
+/// Dynamic shared memory of the streamed projection pass, bytes (`mhc_stream_launch_ok`): the
+/// ring's stages and the reduction buffers.
+pub(crate) fn stream_shared_bytes(kind: Reduce) -> u32 {
+    resident_shared_bytes(kind, stream_stages(kind) * MMA_ROWS)
+}
+
+/// Whether the two passes can run for `kind` on a device whose blocks may use `max_shared` bytes
+/// of shared memory (`mhc_pre` and the fused op only).
+pub(crate) fn stream_fits(kind: Reduce, max_shared: u32) -> bool {
+    kind != Reduce::Head && stream_shared_bytes(kind) as usize + RESIDENT_STATIC_MAX <= max_shared as usize
+}
+
 /// Static shared memory the resident kernels may declare besides the dynamic stages, bytes
 /// (`tests/nvrtc_compile.rs` checks the compiled kernels against it; the HAL gives each kernel
 /// the device's limit less its static).
@@ -159,13 +196,16 @@ pub(crate) struct ReducePlan {
     /// `hc_head` at decode sizes: one tile of every token, `S` projection items that each write
     /// their own 256 h after the tile's projections are in (no finish items; grid `S`).
     pub self_finish: bool,
+    /// The two passes (`mhc_pre` and the fused op, tensor cores): `config` is the streamed
+    /// projection (one block per multiprocessor), this the `mhc_pre_finish_n4` launch after it.
+    pub finish: Option<LaunchConfig>,
 }
 
 impl ReducePlan {
     /// The kernels' `resident` argument: bit 0 [`Self::resident_grid`], bit 1
     /// [`Self::self_finish`] (`MHC_RESIDENT_GRID`, `MHC_SELF_FINISH` in `kernels.cu`).
     pub(crate) fn flags(&self) -> u32 {
-        u32::from(self.resident_grid) | (u32::from(self.self_finish) << 1)
+        u32::from(self.resident_grid) | (u32::from(self.self_finish) << 1) | (u32::from(self.finish.is_some()) << 2)
     }
 }
 
@@ -181,6 +221,8 @@ pub(crate) struct ReduceShape {
     /// Most dynamic shared memory a block may use on the device, bytes
     /// (`DeviceInfo::max_shared_mem_per_block`): it caps the resident tiles.
     pub max_shared: u32,
+    /// One launch or two for `mhc_pre` and the fused op on tensor cores.
+    pub passes: crate::MhcPasses,
 }
 
 impl ReduceShape {
@@ -212,6 +254,14 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
     let s = splits(hidden);
     let units = units.max(1);
     if shape.mma_for(kind) && resident_fits(kind, hidden, units, shape.max_shared) {
+        let two = match shape.passes {
+            crate::MhcPasses::Auto => stream_pays(kind, tokens, hidden, units),
+            crate::MhcPasses::One => false,
+            crate::MhcPasses::Two => true,
+        };
+        if two && stream_fits(kind, shape.max_shared) {
+            return stream(kind, tokens, hidden, units);
+        }
         let cap = resident_cap(kind, shape.max_shared).min(MMA_ROWS * s).min(TILE_MAX);
         let tile = match shape.tile_tokens {
             Some(t) => t.clamp(1, cap),
@@ -235,7 +285,15 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         let mut config = LaunchConfig::blocks(u32::try_from(tiles * s).unwrap_or(u32::MAX), THREADS);
         config.shared_mem_bytes = resident_shared_bytes(kind, tile);
         let resident_grid = LaunchConfig::grid_resident_at_once(tiles * s, units);
-        return ReducePlan { tile_tokens: tile, finish_tokens: 0, tiles, config, resident_grid, self_finish: false };
+        return ReducePlan {
+            tile_tokens: tile,
+            finish_tokens: 0,
+            tiles,
+            config,
+            resident_grid,
+            self_finish: false,
+            finish: None,
+        };
     }
     if kind == Reduce::Head
         && shape.tile_tokens.is_none()
@@ -251,6 +309,7 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
             config,
             resident_grid: true,
             self_finish: true,
+            finish: None,
         };
     }
     let pass = WARPS * kind.tokens_per_slot();
@@ -277,6 +336,34 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
         config: LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS),
         resident_grid: LaunchConfig::grid_resident_at_once(blocks, units),
         self_finish: false,
+        finish: None,
+    }
+}
+
+/// The two passes for `tokens > 0`: the streamed projection on one block per multiprocessor (at
+/// most one per (split, m-tile) unit), then finish blocks of 16 tokens, each token group cut into
+/// enough runs of chunks (at least [`FINISH_MIN_CHUNKS`] each) that the finish grid gives every
+/// multiprocessor about two blocks.
+fn stream(kind: Reduce, tokens: usize, hidden: usize, units: usize) -> ReducePlan {
+    let m = tokens.div_ceil(MMA_ROWS);
+    let blocks = (splits(hidden) * m).min(units);
+    let mut config = LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS);
+    config.shared_mem_bytes = stream_shared_bytes(kind);
+    let chunks = hidden.div_ceil(8);
+    let parts = (2 * units).div_ceil(m).clamp(1, (chunks / FINISH_MIN_CHUNKS).max(1));
+    let finish = LaunchConfig {
+        grid: (u32::try_from(m).unwrap_or(u32::MAX), parts as u32, 1),
+        block: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    ReducePlan {
+        tile_tokens: MMA_ROWS,
+        finish_tokens: 0,
+        tiles: m,
+        config,
+        resident_grid: false,
+        self_finish: false,
+        finish: Some(finish),
     }
 }
 
@@ -406,6 +493,7 @@ mod tests {
                                 head_mma: mma,
                                 tile_tokens: forced,
                                 max_shared: holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK,
+                                passes: crate::MhcPasses::One,
                             },
                         );
                         let s = splits(hidden);
@@ -448,12 +536,65 @@ mod tests {
     }
 
     #[test]
+    fn two_pass_plans_cover_every_unit_and_give_the_finish_grid_two_blocks_per_multiprocessor() {
+        use crate::MhcPasses;
+        let sm90 = holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK;
+        let shape =
+            ReduceShape { mma: true, head_mma: true, tile_tokens: None, max_shared: sm90, passes: MhcPasses::Auto };
+        for kind in [Reduce::Pre, Reduce::Fused] {
+            for hidden in [300, 1000, 4096, 7168] {
+                for tokens in [1, 64, 511, 512, 1000, 1024, 16_384] {
+                    let p = reduce(kind, tokens, hidden, 132, shape);
+                    let per_unit = if kind == Reduce::Pre { 96 } else { 48 };
+                    let two = tokens * splits(hidden) >= per_unit * 132;
+                    assert_eq!(p.finish.is_some(), two, "{kind:?} H {hidden} T {tokens}");
+                    let Some(f) = p.finish else { continue };
+                    let m = tokens.div_ceil(MMA_ROWS);
+                    assert_eq!(p.flags(), 4, "streamed: no tickets, no self-finish");
+                    assert_eq!(p.config.grid.0 as usize, (splits(hidden) * m).min(132));
+                    assert_eq!(p.config.shared_mem_bytes, stream_shared_bytes(kind));
+                    assert_eq!((f.grid.0 as usize, f.block), (m, (THREADS, 1, 1)));
+                    let (parts, chunks) = (f.grid.1 as usize, hidden.div_ceil(8));
+                    assert!(parts >= 1 && (parts == 1 || chunks / parts >= FINISH_MIN_CHUNKS), "H {hidden}");
+                    assert!(m * parts >= 264 || parts == (chunks / FINISH_MIN_CHUNKS).max(1), "H {hidden} T {tokens}");
+                }
+            }
+            // The crossovers measured at H 4096 and 7168.
+            let two = |t, h| reduce(kind, t, h, 132, shape).finish.is_some();
+            if kind == Reduce::Pre {
+                assert!(!two(512, 4096) && two(1024, 4096) && !two(256, 7168) && two(512, 7168));
+            } else {
+                assert!(!two(256, 4096) && two(512, 4096) && two(256, 7168));
+            }
+            // Forced either way.
+            let two = reduce(kind, 1, 4096, 132, ReduceShape { passes: MhcPasses::Two, ..shape });
+            assert_eq!(two.finish.map(|f| f.grid), Some((1, 8, 1)));
+            assert_eq!(two.config.grid.0, 16, "one block per unit");
+            assert!(reduce(kind, 16_384, 4096, 132, ReduceShape { passes: MhcPasses::One, ..shape }).finish.is_none());
+        }
+        // hc_head and the portable path make one launch.
+        assert!(reduce(Reduce::Head, 16_384, 4096, 132, ReduceShape { passes: MhcPasses::Two, ..shape })
+            .finish
+            .is_none());
+        let portable = ReduceShape { mma: false, head_mma: false, passes: MhcPasses::Two, ..shape };
+        assert!(reduce(Reduce::Pre, 16_384, 4096, 132, portable).finish.is_none());
+        // sm_80's 163 KiB hold mhc_pre's four stages (153.6 KiB with the reduction buffers) but not
+        // the fused op's (185.6 KiB): it stays on one launch there.
+        let sm80 = ReduceShape { max_shared: 163 * 1024, ..shape };
+        assert!(reduce(Reduce::Pre, 16_384, 4096, 108, sm80).finish.is_some());
+        assert!(reduce(Reduce::Fused, 16_384, 4096, 108, sm80).finish.is_none());
+        assert_eq!(stream_shared_bytes(Reduce::Pre), 4 * 32 * 1024 + 25 * 1024);
+        assert_eq!(stream_shared_bytes(Reduce::Fused), 4 * 40 * 1024 + 25 * 1024);
+    }
+
+    #[test]
     fn resident_tiles_grow_past_one_fill_only_where_they_save_waves() {
         let shape = ReduceShape {
             mma: true,
             head_mma: true,
             tile_tokens: None,
             max_shared: holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK,
+            passes: crate::MhcPasses::One,
         };
         let tile = |kind, t, h| reduce(kind, t, h, 132, shape).tile_tokens;
         // mhc_pre, H 4096 (16 splits): 1024 tokens fit two waves of 64-token tiles (256 blocks)
@@ -481,7 +622,13 @@ mod tests {
         // sm_80 (163 KiB per block): mhc_pre to 64 tokens, the fused op to 48.
         let sm80 = 163 * 1024;
         assert_eq!((resident_cap(Reduce::Pre, sm80), resident_cap(Reduce::Fused, sm80)), (64, 48));
-        let shape = ReduceShape { mma: true, head_mma: true, tile_tokens: None, max_shared: sm80 };
+        let shape = ReduceShape {
+            mma: true,
+            head_mma: true,
+            tile_tokens: None,
+            max_shared: sm80,
+            passes: crate::MhcPasses::One,
+        };
         for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
             for t in [1, 1024, 16_384] {
                 let p = reduce(kind, t, 4096, 108, shape);

@@ -12,7 +12,8 @@ impl MhcOps {
     /// token's flattened row (`D = n·H`), then `post [T, n] = sigmoid(mixes[n..2n]·s1 + b) ·
     /// post_mult`, `comb [T, n, n] = sinkhorn(mixes[2n..]·s2 + b)` and `layer_input [T, H] =
     /// Σ_i pre_i · residual_i` with `pre = sigmoid(mixes[..n]·s0 + b) + pre_eps`. One launch (none
-    /// for `T = 0`). Outputs must not overlap inputs or each other.
+    /// for `T = 0`; two where [`crate::MhcPasses`] takes two). Outputs must not overlap inputs or
+    /// each other.
     pub fn pre(
         &self,
         stream: &Stream,
@@ -63,6 +64,6 @@ impl MhcOps {
                 p.flags().into(),
             ],
         )?;
-        Ok(())
+        self.launch_finish(stream, &p, residual, weights, params, out)
     }
 }

@@ -214,7 +214,7 @@ pub fn sinkhorn(c: &mut [f32; 16], iters: u32, eps: f32) {
 
 /// Exact bf16 → f32 (the upper half of the f32's bits).
 #[allow(clippy::needless_range_loop)]
-fn to_f32(x: &[bf16]) -> Vec<f32> {
+pub(crate) fn to_f32(x: &[bf16]) -> Vec<f32> {
     let mut out = vec![0.0f32; x.len()];
     for k in 0..x.len() {
         out[k] = f32::from_bits(u32::from(x[k].to_bits()) << 16);
@@ -306,21 +306,71 @@ fn pre_rows(
         .for_each(|(((li, post), comb), x)| {
             let mut sums = [0.0f32; PRE_ROWS + 1];
             project(x, &fnt, hidden, PRE_LANES, &mut sums);
-            let rf = rms_factor(sums[0], d, params.rms_eps);
-            let mix = |j: usize, s: f32| (sums[1 + j] * rf).mul_add(s, base[j]);
-            let mut pre = [0.0f32; HC_MULT];
-            for i in 0..n {
-                pre[i] = sigmoid(mix(i, scale[0])) + params.pre_eps;
-                post[i] = sigmoid(mix(n + i, scale[1])) * params.post_mult;
-            }
-            let mut c = [0.0f32; 16];
-            for (l, c) in c.iter_mut().enumerate() {
-                *c = mix(2 * n + l, scale[2]);
-            }
-            sinkhorn(&mut c, params.sinkhorn_iters, params.sinkhorn_eps);
-            comb.copy_from_slice(&c);
-            weighted_sum(&pre, x, hidden, li);
+            pre_finish_row(&sums, x, scale, base, hidden, params, PreRow { post, comb, layer_input: li });
         });
+}
+
+/// The projection sums of `mhc_pre` for each token of `residual [T, n, H]`, `[T, 1 + n(n+2)]`:
+/// `Σx²`, then `x · fn[j]` for each of the `n(n+2)` rows of `hc_fn [n(n+2), n·H]`, in the portable
+/// kernels' order (what their finish items sum the split partials to).
+pub fn pre_sums(residual: &[bf16], hc_fn: &[f32], hidden: usize) -> Result<Vec<f32>> {
+    let t = tokens_of("pre_sums", residual.len(), hidden)?;
+    let d = HC_MULT * hidden;
+    if hc_fn.len() != PRE_ROWS * d {
+        return Err(crate::MhcError::Shape {
+            op: "pre_sums",
+            arg: "hc_fn",
+            expected: PRE_ROWS * d,
+            got: hc_fn.len(),
+            shape: format!("[{PRE_ROWS}, {d}]"),
+        });
+    }
+    let fnt = transpose(hc_fn, PRE_ROWS, d);
+    let x = to_f32(residual);
+    let mut out = vec![0.0f32; t * (PRE_ROWS + 1)];
+    for (row, x) in out.chunks_exact_mut(PRE_ROWS + 1).zip(x.chunks_exact(d.max(1))) {
+        let mut sums = [0.0f32; PRE_ROWS + 1];
+        project(x, &fnt, hidden, PRE_LANES, &mut sums);
+        row.copy_from_slice(&sums);
+    }
+    Ok(out)
+}
+
+/// One token's outputs of [`pre_finish_row`]: `post [n]`, `comb [n·n]`, `layer_input [H]`.
+pub(crate) struct PreRow<'a> {
+    pub post: &'a mut [f32],
+    pub comb: &'a mut [f32],
+    pub layer_input: &'a mut [bf16],
+}
+
+/// The rest of `mhc_pre` for one token from its projection sums (`sums[0] = Σx²`, `sums[1 + j] =
+/// x · fn[j]`, `[1 + n(n+2)]`) and its residual row `x` (`[n, H]` in f32): the gates, Sinkhorn and
+/// the weighted sum (the finish items' arithmetic).
+#[allow(clippy::needless_range_loop)]
+pub(crate) fn pre_finish_row(
+    sums: &[f32; PRE_ROWS + 1],
+    x: &[f32],
+    scale: &[f32],
+    base: &[f32],
+    hidden: usize,
+    params: &MhcPreParams,
+    out: PreRow<'_>,
+) {
+    let n = HC_MULT;
+    let rf = rms_factor(sums[0], n * hidden, params.rms_eps);
+    let mix = |j: usize, s: f32| (sums[1 + j] * rf).mul_add(s, base[j]);
+    let mut pre = [0.0f32; HC_MULT];
+    for i in 0..n {
+        pre[i] = sigmoid(mix(i, scale[0])) + params.pre_eps;
+        out.post[i] = sigmoid(mix(n + i, scale[1])) * params.post_mult;
+    }
+    let mut c = [0.0f32; 16];
+    for (l, c) in c.iter_mut().enumerate() {
+        *c = mix(2 * n + l, scale[2]);
+    }
+    sinkhorn(&mut c, params.sinkhorn_iters, params.sinkhorn_eps);
+    out.comb.copy_from_slice(&c);
+    weighted_sum(&pre, x, hidden, out.layer_input);
 }
 
 #[allow(clippy::too_many_arguments)]

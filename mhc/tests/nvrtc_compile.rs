@@ -40,7 +40,7 @@ fn every_mhc_kernel_waits_for_the_kernel_before_it() {
 fn the_mhc_kernels_spill_no_more_than_they_do() {
     holdfast_hal::testing::assert_sm90a_frames_within(
         holdfast_mhc::source(),
-        &[("mhc_hc_head_n4", 56), ("mhc_pre_n4", 16), ("mhc_fused_post_pre_n4", 96)],
+        &[("mhc_hc_head_n4", 56), ("mhc_pre_n4", 16), ("mhc_fused_post_pre_n4", 96), ("mhc_pre_finish_n4", 0)],
     );
 }
 

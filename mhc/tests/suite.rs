@@ -17,8 +17,8 @@ use half::bf16;
 use holdfast_hal::{BackendKind, Buffer, Device, Element, Stream, View};
 use holdfast_mhc::reference::{self, PreOutput};
 use holdfast_mhc::{
-    HcHeadParams, HcHeadWeights, MhcConfig, MhcError, MhcKernels, MhcOp, MhcOps, MhcPostInputs, MhcPreOutputs,
-    MhcPreParams, MhcPreWeights, MhcProjection,
+    HcHeadParams, HcHeadWeights, MhcConfig, MhcError, MhcKernels, MhcOp, MhcOps, MhcPasses, MhcPostInputs,
+    MhcPreOutputs, MhcPreParams, MhcPreWeights, MhcProjection,
 };
 
 const HIDDEN: [usize; 3] = [256, 4096, 7168];
@@ -409,15 +409,15 @@ fn fused_post_pre_matches_its_reference_the_f64_spec_and_post_then_pre(dev: &Dev
 // ---- projection paths and tiles -------------------------------------------------------------------
 
 /// The default paths, tensor cores for every op where the device has them, the portable path
-/// forced, and forced tiles of 1, 16, 48 and 128 tokens: each path matches the reference (bit for bit on the
-/// CPU backend), and within a path every tile gives the same bits (a token's reduction order is a
-/// function of H alone).
+/// forced, forced tiles of 1, 16, 48 and 128 tokens and forced two passes: each path matches the
+/// reference (bit for bit on the CPU backend), and within a path every tile and either number of
+/// passes gives the same bits (a token's reduction order is a function of H alone).
 fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(dev: &Device) {
     let fx = Fx::new(dev);
     let (hp, pp) = (HcHeadParams::default(), MhcPreParams::default());
     let mut rng = Rng::new(11);
     // The CPU backend's kernels are the reference whatever the path or tile: one small case.
-    let cases: &[(usize, usize)] = if is_cpu(dev) { &[(1000, 20)] } else { &[(1000, 150), (4096, 150)] };
+    let cases: &[(usize, usize)] = if is_cpu(dev) { &[(1000, 20)] } else { &[(300, 40), (1000, 150), (4096, 150)] };
     for &(hidden, t) in cases {
         let w_head = Weights::random(&mut rng, N, hidden, 1);
         let w_pre = Weights::random(&mut rng, M, hidden, 3);
@@ -459,9 +459,26 @@ fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(
             assert_eq!(base.uses_tensor_cores(MhcOp::HcHead), head_tc, "{projection:?}");
             assert!(!base.uses_tensor_cores(MhcOp::Post));
             let mut first: Option<Vec<u32>> = None;
-            for tile in [None, Some(1), Some(16), Some(48), Some(128)] {
-                let what = format!("H={hidden} T={t} {projection:?} tile {tile:?}");
-                let ops = fx.ops(hidden, t).with_projection(projection).with_tile_tokens(tile).expect("tile");
+            let variants = [
+                (None, MhcPasses::Auto),
+                (Some(1), MhcPasses::One),
+                (Some(16), MhcPasses::One),
+                (Some(48), MhcPasses::One),
+                (Some(128), MhcPasses::One),
+                (None, MhcPasses::Two),
+            ];
+            for (tile, passes) in variants {
+                let what = format!("H={hidden} T={t} {projection:?} tile {tile:?} {passes:?}");
+                let ops = fx
+                    .ops(hidden, t)
+                    .with_projection(projection)
+                    .with_tile_tokens(tile)
+                    .expect("tile")
+                    .with_passes(passes);
+                let two = tc && passes == MhcPasses::Two;
+                for op in [MhcOp::Pre, MhcOp::FusedPostPre] {
+                    assert_eq!(ops.launch_configs(op, t).len(), 1 + usize::from(two), "{what} {op:?}");
+                }
                 let head = HeadBufs::new(&fx, &residual, &w_head, hidden);
                 head.run(&fx, &ops, &hp).expect("hc_head");
                 let head_got = fx.read(&head.out.view());
@@ -651,9 +668,17 @@ fn a_row_alone_equals_the_same_row_in_a_batch_of_1000(dev: &Device) {
 /// Captures all four ops at `t` tokens, then replays with fresh inputs three times; each replay
 /// must equal an eager run on the same inputs, bit for bit.
 fn graph_replays_with_fresh_inputs_equal_eager_runs(dev: &Device) {
+    for passes in [MhcPasses::Auto, MhcPasses::Two] {
+        graph_replays_equal_eager_runs(dev, passes);
+    }
+}
+
+/// One graph of the four ops at T = 64 ([`MhcPasses::Two`]: `mhc_pre` and the fused op in two
+/// launches each on tensor cores), replayed over fresh inputs.
+fn graph_replays_equal_eager_runs(dev: &Device, passes: MhcPasses) {
     let fx = Fx::new(dev);
     let (hidden, t) = (if is_cpu(dev) && cfg!(debug_assertions) { 512 } else { 4096 }, 64);
-    let ops = fx.ops(hidden, t);
+    let ops = fx.ops(hidden, t).with_passes(passes);
     let mut rng = Rng::new(6);
     let d = N * hidden;
     let (hp, pp) = (HcHeadParams::default(), MhcPreParams::default());
@@ -683,7 +708,13 @@ fn graph_replays_with_fresh_inputs_equal_eager_runs(dev: &Device) {
     fx.s.begin_capture("mhc").expect("begin capture");
     run_all();
     let g = fx.s.end_capture().expect("end capture");
-    assert_eq!(g.op_count(), 4, "one launch per op");
+    let launches: usize = [MhcOp::HcHead, MhcOp::Pre, MhcOp::Post, MhcOp::FusedPostPre]
+        .map(|op| ops.launch_configs(op, t).len())
+        .iter()
+        .sum();
+    let two = passes == MhcPasses::Two && ops.uses_tensor_cores(MhcOp::Pre);
+    assert_eq!(launches, if two { 6 } else { 4 }, "{passes:?}");
+    assert_eq!(g.op_count(), launches, "the launches the ops report");
     for step in 0..3 {
         fx.write(&head.residual, &rng.bf16s(t * d, 1.0));
         fx.write(&pre.residual, &rng.bf16s(t * d, 1.0));
@@ -693,7 +724,7 @@ fn graph_replays_with_fresh_inputs_equal_eager_runs(dev: &Device) {
         let replayed = snapshot();
         run_all();
         let eager = snapshot();
-        assert_eq!(replayed.0, eager.0, "hc_head replay {step}");
+        assert_eq!(replayed.0, eager.0, "hc_head replay {step} {passes:?}");
         assert_eq!(bits_f32(&replayed.1.post), bits_f32(&eager.1.post), "pre post replay {step}");
         assert_eq!(bits_f32(&replayed.1.comb), bits_f32(&eager.1.comb), "pre comb replay {step}");
         assert_eq!(bits_bf16(&replayed.1.layer_input), bits_bf16(&eager.1.layer_input), "pre replay {step}");
@@ -933,6 +964,54 @@ fn misuse_is_a_precise_error_and_launches_nothing(dev: &Device) {
     assert!(fx.read(&head.out.view()).iter().all(|v| v.to_bits() == 0xFFFF));
 }
 
+/// The two passes' finish kernel on partials given to it: split 0 holds each token's projection
+/// sums (the reference's), the other splits zeros, laid out `[T, S, 25]`; T = 37 (a partial group
+/// of 16) at H = 1000 (4 splits, the last partial), in two runs of chunks. Its outputs are the
+/// reference's: bit for bit on the CPU backend, within the bounds elsewhere.
+fn the_finish_kernel_sums_the_partials_it_is_given(dev: &Device) {
+    let fx = Fx::new(dev);
+    let (hidden, t, pp) = (1000usize, 37usize, MhcPreParams::default());
+    let (s, v) = (hidden.div_ceil(256), M + 1);
+    let mut rng = Rng::new(17);
+    let w = Weights::random(&mut rng, M, hidden, 3);
+    let residual = rng.bf16s(t * N * hidden, 1.5);
+    let sums = reference::pre_sums(&residual, &w.hc_fn, hidden).expect("sums");
+    let mut partials = vec![0.0f32; t * s * v];
+    for k in 0..t {
+        partials[k * s * v..k * s * v + v].copy_from_slice(&sums[k * v..(k + 1) * v]);
+    }
+    let want = reference::pre(&residual, &w.hc_fn, &w.scale, &w.base, hidden, &pp).expect("reference");
+    let f64s = common::pre_f64(&residual, &w, hidden, &pp);
+    let pre = PreBufs::new(&fx, &residual, &w, hidden);
+    let part = fx.up("partials", &partials);
+    let module = dev.compile(holdfast_mhc::source()).expect("module");
+    let kernel = module.kernel("mhc_pre_finish_n4").expect("kernel");
+    let cfg =
+        holdfast_hal::LaunchConfig { grid: (t.div_ceil(16) as u32, 2, 1), block: (256, 1, 1), shared_mem_bytes: 0 };
+    fx.s.launch(
+        &kernel,
+        cfg,
+        &[
+            (&pre.residual).into(),
+            (&pre.w[1]).into(),
+            (&pre.w[2]).into(),
+            (&pre.post).into(),
+            (&pre.comb).into(),
+            (&pre.li).into(),
+            (&part).into(),
+            (t as u32).into(),
+            (hidden as u32).into(),
+            pp.rms_eps.into(),
+            pp.pre_eps.into(),
+            pp.sinkhorn_eps.into(),
+            pp.post_mult.into(),
+            pp.sinkhorn_iters.into(),
+        ],
+    )
+    .expect("launch");
+    check_pre(dev, "finish from given partials", &pre.outputs(&fx), &want, &f64s);
+}
+
 holdfast_hal::device_suite!(
     hc_head_matches_its_reference_and_the_f64_spec,
     mhc_pre_matches_its_reference_and_the_f64_spec,
@@ -946,4 +1025,5 @@ holdfast_hal::device_suite!(
     misuse_is_a_precise_error_and_launches_nothing,
     both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits,
     hc_head_on_clusters_matches_the_reference_is_batch_invariant_and_replays_as_eager,
+    the_finish_kernel_sums_the_partials_it_is_given,
 );
