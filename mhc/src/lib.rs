@@ -5,7 +5,8 @@
 //! [`MhcOps::pre`] (gates, Sinkhorn-mixed streams, the sublayer input), [`MhcOps::post`] (write a
 //! sublayer output back), [`MhcOps::fused_post_pre`] (both, one launch) and [`MhcOps::hc_head`]
 //! (collapse the streams before the final norm). Each is one kernel launch into caller-provided
-//! views, validated first ([`MhcError`]), and a no-op for `T = 0`.
+//! views (`mhc_pre` and the fused op two at large `T` on tensor cores, [`MhcPasses`]), validated
+//! first ([`MhcError`]), and a no-op for `T = 0`.
 //!
 //! ## Who defines the numbers
 //! [`reference`](mod@reference) is the definition (DESIGN.md 3.3): plain Rust over slices that the CPU backend
@@ -42,15 +43,15 @@
 //! atomics touch data: a
 //! token's outputs are the same bits whether it runs alone or among 16 K others, at any tile
 //! ([`MhcOps::with_tile_tokens`]). Launch shapes are a
-//! function of `T` (see [`MhcOps::launch_config`]), so a graph captured at a padded `T` replays the
-//! same launch. The split-reduction kernels claim work items from a ticket counter; a finish item
+//! function of `T` (see [`MhcOps::launch_configs`]), so a graph captured at a padded `T` replays the
+//! same launches. The split-reduction kernels claim work items from a ticket counter; a finish item
 //! waits only for items claimed before it, and a resident item only for the other items of its
 //! tile, which hold the neighbouring tickets and fit on the device together (as do `hc_head`'s
 //! self-finishing items at decode sizes, whose whole grid is resident), so none can deadlock.
 //! Every counter is reset by its last user, so each launch leaves the workspace ready for the
 //! next, graph replays included.
 //!
-//! ## Kernel design (memory-bound; one launch per op)
+//! ## Kernel design (memory-bound; one launch per op, or two)
 //! - `mhc_pre`, `mhc_fused_post_pre` (and `hc_head` when asked) on tensor cores (NVIDIA sm_80+): blocks of 256
 //!   threads, one *resident item* per (tile of up to 32 (`hc_head`), 96 (`mhc_pre`) or 64 (fused)
 //!   tokens, as the device's shared memory allows, split of 256 `h`). Each warp owns 32 `h` of all
@@ -64,6 +65,17 @@
 //!   the tokens. A tile's items wait for each other, so this path runs where the device
 //!   holds at least twice `ceil(H / 256)` blocks at once ([`MhcOps::uses_tensor_cores`]). Up to
 //!   217 KB of dynamic shared memory per block. Grid: `tiles · splits`.
+//! - `mhc_pre` and the fused op on tensor cores where every multiprocessor has enough work
+//!   ([`MhcPasses::Auto`]: `T · splits` at least 96 (fused: 48) per multiprocessor), in two
+//!   launches that never wait inside a launch: a *streamed projection*, one block per
+//!   multiprocessor, each taking an equal contiguous run of the (split, 16-token m-tile) units in
+//!   split-major order, loading a split's weight fragments once per run and streaming its
+//!   m-tiles through a ring of four stages; it writes the same per-(token, split) partials as the
+//!   resident items (the fused op also its post-mixed streams to `residual_out`). Then *finish
+//!   blocks* (`mhc_pre_finish_n4`, 16 tokens × a run of 8-`h` chunks each, about two per
+//!   multiprocessor) sum the partials in split order, form the gates (and post and comb,
+//!   Sinkhorn) and write `layer_input` from the residual (the fused op's `residual_out`), read
+//!   a second time. The same arithmetic per token as the resident items: the same bits.
 //! - The same ops elsewhere (portable path): a *projection item* (tile of up to 128 tokens × one
 //!   split) accumulates Σx² and the `n` (or `n(n+2)`) dot products per token and writes per-split
 //!   partials: `hc_head` gives each token 32 lanes × 2 quads per split (a register tile of 2
