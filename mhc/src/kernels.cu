@@ -1154,13 +1154,12 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
 // Where a tile's items would spend more time on their fixed phases (the `fn` fragments, the tile
 // barrier, the gates' round trips) than on their bytes, mhc_pre and the fused op run as two
 // launches that read the residual twice but never wait for each other inside a launch:
-//   1. the projection pass (MHC_STREAM): the S · M units (split, m-tile of 16 tokens), split-major,
-//      are cut into gridDim.x equal contiguous ranges, one per block (one block per
-//      multiprocessor). A block loads a split's `fn` fragments once per run of its range within
-//      that split (one or two runs) and streams the run's m-tiles through a ring of ST stages,
-//      writing each (token, split)'s partials exactly as the resident items do (same fragments,
-//      same MMA order, same cross-warp sums: the same bits); the fused op also writes the
-//      post-mixed streams to residual_out.
+//   1. the projection pass (MHC_STREAM): gridDim.x = S · per blocks (at most one per
+//      multiprocessor); block b takes split b / per and the (b % per)-th of `per` equal runs of
+//      the M m-tiles of 16 tokens. It loads its split's `fn` fragments once and streams its
+//      m-tiles through a ring of ST stages, writing each (token, split)'s partials exactly as the
+//      resident items do (same fragments, same MMA order, same cross-warp sums: the same bits);
+//      the fused op also writes the post-mixed streams to residual_out.
 //   2. mhc_pre_finish_n4: block (g, p) takes tokens [16 g, 16 g + 16) and the p-th of gridDim.y
 //      equal runs of 8-h chunks; it sums the tokens' partials in split order, computes the pre
 //      gates (block p = 0 also post and comb, Sinkhorn) and writes its chunks of layer_input from
@@ -1170,17 +1169,11 @@ template <int J, bool FUSED, bool VEC>
 __device__ void mhc_stream_project(const MhcPreArgs& a) {
     constexpr int ST = FUSED ? MHC_ST_STREAM_FUSED : MHC_ST_STREAM_PRE;
     const uint32_t S = (a.H + MHC_SPLIT_H - 1) / MHC_SPLIT_H, M = (a.T + 15) / 16;
-    const uint64_t W = (uint64_t)S * M;
-    uint64_t u = W * blockIdx.x / gridDim.x;
-    const uint64_t end = W * (blockIdx.x + 1) / gridDim.x;
-    while (u < end) {
-        const uint32_t split = (uint32_t)(u / M), m0 = (uint32_t)(u % M);
-        const uint32_t m1 = (uint32_t)min((uint64_t)M, m0 + (end - u));
-        mhc_project_mma<J, ST, FUSED, VEC, true>(a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S,
-                                                 split, 16 * m0, min(a.T, 16 * m1), ST, nullptr, a.residual_out);
-        u += m1 - m0;
-        __syncthreads();  // the next run's copies reuse the ring, its sums the reduction buffers
-    }
+    const uint32_t per = gridDim.x / S, split = blockIdx.x / per, k = blockIdx.x % per;
+    const uint32_t m0 = (uint32_t)((uint64_t)M * k / per), m1 = (uint32_t)((uint64_t)M * (k + 1) / per);
+    if (split >= S || m0 >= m1) return;
+    mhc_project_mma<J, ST, FUSED, VEC, true>(a.residual, a.x_in, a.post_in, a.comb_in, a.fn, a.partials, a.H, S, split,
+                                             16 * m0, min(a.T, 16 * m1), ST, nullptr, a.residual_out);
 }
 
 template <bool FUSED>

@@ -340,13 +340,16 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
     }
 }
 
-/// The two passes for `tokens > 0`: the streamed projection on one block per multiprocessor (at
-/// most one per (split, m-tile) unit), then finish blocks of 16 tokens, each token group cut into
+/// The two passes for `tokens > 0`: the streamed projection on `S · per` blocks, `per = units /
+/// S` (at most the m-tiles), so that at most one block runs per multiprocessor and each loads one
+/// split's weights (equal runs of the split-major units, which crossed splits to use every
+/// multiprocessor, measured up to 12% slower on an H100, and 0.6% faster at one shape, the
+/// fused op at H 7168, T 4096); then finish blocks of 16 tokens, each token group cut into
 /// enough runs of chunks (at least [`FINISH_MIN_CHUNKS`] each) that the finish grid gives every
 /// multiprocessor about two blocks.
 fn stream(kind: Reduce, tokens: usize, hidden: usize, units: usize) -> ReducePlan {
-    let m = tokens.div_ceil(MMA_ROWS);
-    let blocks = (splits(hidden) * m).min(units);
+    let (m, s) = (tokens.div_ceil(MMA_ROWS), splits(hidden));
+    let blocks = s * (units / s).clamp(1, m);
     let mut config = LaunchConfig::blocks(u32::try_from(blocks).unwrap_or(u32::MAX), THREADS);
     config.shared_mem_bytes = stream_shared_bytes(kind);
     let chunks = hidden.div_ceil(8);
@@ -551,7 +554,8 @@ mod tests {
                     let Some(f) = p.finish else { continue };
                     let m = tokens.div_ceil(MMA_ROWS);
                     assert_eq!(p.flags(), 4, "streamed: no tickets, no self-finish");
-                    assert_eq!(p.config.grid.0 as usize, (splits(hidden) * m).min(132));
+                    let s = splits(hidden);
+                    assert_eq!(p.config.grid.0 as usize, s * (132 / s).clamp(1, m), "whole splits");
                     assert_eq!(p.config.shared_mem_bytes, stream_shared_bytes(kind));
                     assert_eq!((f.grid.0 as usize, f.block), (m, (THREADS, 1, 1)));
                     let (parts, chunks) = (f.grid.1 as usize, hidden.div_ceil(8));
