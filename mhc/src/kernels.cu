@@ -502,10 +502,11 @@ __device__ void mhc_project(const hf_bf16* __restrict__ residual, const hf_bf16*
 // into a per-lane slot (only the lane that copies a piece reads it: no barrier), MHC_ST_* - 1
 // m-tiles ahead, and each m-tile costs, per stream, two m16n8k16 mma for hi and two for lo per 8
 // outputs (the lane's 8 h form two k16 halves: a k permutation applied alike to A and B). x^2 is
-// summed from the same pieces with fmaf (stream by stream, element by element), then over the 4
-// lanes of a row (xor 1, 2). The 8 warps' results per (token, value) are summed in warp order
-// through shared memory, giving the (token, split) partial. Nothing depends on the token count or
-// the tile: a row's partials are a function of its own data and H.
+// the diagonal of X Xᵀ, by two more m16n8k16 per stream and k16 half with the lane's own pieces
+// as B (the bf16 products are exact, the f32 sums in the tensor cores' order). The 8 warps'
+// results per (token, value) are summed in warp order through shared memory, giving the (token,
+// split) partial. Nothing depends on the token count or the tile: a row's partials are a function
+// of its own data and H.
 //
 // Dynamic shared memory: one stage per m-tile of the item (8 warps x PC pieces x 2 rows x 32 lanes
 // x 16 bytes; PC = 4 streams, + x for the fused op), then two [8 warps][16 rows][V] f32 reduction
@@ -677,19 +678,14 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
                 }
             }
         }
-        float ss[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr)
-#pragma unroll
-            for (int c = 0; c < MHC_N; ++c) {
-                float v[8];
-                mhc_unpack(p[c][rr], v);
-#pragma unroll
-                for (int e = 0; e < 8; ++e) ss[rr] = fmaf(v[e], v[e], ss[rr]);
-            }
         float acc[NT][4];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        // Σx² of the warp's 128 k per token on the tensor cores too: X·Xᵀ of the m-tile, whose B
+        // fragments are the lane's own A pieces (row g of rows 0-7, then of rows 8-15); token g's
+        // sum is diagonal element (g, g) of the first, token g + 8's (g + 8, g) of the second,
+        // both held by lane (g, q = g / 2).
+        float sq[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
         for (int c = 0; c < MHC_N; ++c) {
             const uint32_t a0[4] = {p[c][0].x, p[c][1].x, p[c][0].y, p[c][1].y};
@@ -701,12 +697,15 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
                 hf_mma_bf16(acc[nt], a0, blo[c][nt][0], blo[c][nt][1]);
                 hf_mma_bf16(acc[nt], a1, blo[c][nt][2], blo[c][nt][3]);
             }
-        }
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            ss[rr] = ss[rr] + hf_shfl_xor(ss[rr], 1);
-            ss[rr] = ss[rr] + hf_shfl_xor(ss[rr], 2);
+            for (int rr = 0; rr < 2; ++rr) {
+                hf_mma_bf16(sq[rr], a0, p[c][rr].x, p[c][rr].y);
+                hf_mma_bf16(sq[rr], a1, p[c][rr].z, p[c][rr].w);
+            }
         }
+        const bool odd = (g & 1u) != 0u;
+        const float ss[2] = {odd ? sq[0][1] : sq[0][0], odd ? sq[1][3] : sq[1][2]};
+        const bool holds_ss = q == (g >> 1);
         float* r = red + ((m & 1) * MHC_MMA_WARPS + warp) * 16 * V;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt)
@@ -718,7 +717,7 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
                     r[(g + 8) * V + 1 + n] = acc[nt][2 + e];
                 }
             }
-        if (q == 0) {
+        if (holds_ss) {
             r[g * V] = ss[0];
             r[(g + 8) * V] = ss[1];
         }

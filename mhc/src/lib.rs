@@ -28,9 +28,11 @@
 //!   tensor cores, bf16 `mma.sync` with f32 accumulation, `x` exact (it is bf16) and each f32
 //!   weight split into `hi = bf16(w)` and `lo = bf16(w − hi)`, so the products carry the weight
 //!   to about 2⁻¹⁷ relative — no TF32 (2⁻¹¹; vLLM's CUDA path uses a TF32 GEMM), no bf16
-//!   rounding of `x̂` (its Triton `hc_head` does that). Σx² is an f32 fma sum on both paths. The
-//!   RMS factor is applied after the projection, `mix = (x · fnᵀ) · rsqrt(Σx²/D + eps)`, as in
-//!   §6.2 and vLLM's fused kernels; this equals projecting the normalised input up to rounding.
+//!   rounding of `x̂` (its Triton `hc_head` does that). Σx² is an f32 fma sum on the portable
+//!   path; on tensor cores it is the diagonal of `x · xᵀ` from the same bf16 pieces (exact
+//!   products, f32 accumulation). The RMS factor is applied after the projection, `mix = (x ·
+//!   fnᵀ) · rsqrt(Σx²/D + eps)`, as in §6.2 and vLLM's fused kernels; this equals projecting the
+//!   normalised input up to rounding.
 //! - Sinkhorn runs in f32 with IEEE division, exactly §6.2 step 4 (softmax + eps, column
 //!   normalisation, then `iters - 1` row/column pairs).
 //! - Tests hold bf16 outputs to relative L2 ≤ 1e-2 and f32 outputs to ≤ 1e-4 of an f64 evaluation
