@@ -173,9 +173,9 @@ fn bench(c: &mut Criterion) {
                 g.throughput(Throughput::Bytes(bytes));
                 for &(name, o) in &variants {
                     println!(
-                        "mhc bytes: op={} H={hidden} T={t} path={name} bytes={bytes} launch={:?}",
+                        "mhc bytes: op={} H={hidden} T={t} path={name} bytes={bytes} launches={:?}",
                         op.name(),
-                        o.launch_config(op, t)
+                        o.launch_configs(op, t)
                     );
                     g.bench_with_input(BenchmarkId::new(name, t), &t, |b, &t| {
                         b.iter_custom(|iters| timed(iters, &s, || bufs.run(o, &s, op, t)))
