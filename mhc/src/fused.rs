@@ -24,9 +24,10 @@ pub struct MhcPostInputs<'a> {
 
 impl MhcOps {
     /// `residual_out = post(x, residual, post, comb)` (see [`MhcOps::post`]) and then
-    /// [`MhcOps::pre`] of `residual_out` with the next sublayer's weights, in one launch
-    /// (two where [`crate::MhcPasses`] takes two); bit-identical to the two ops run in sequence. `residual_out` may be exactly
-    /// `input.residual` (in place); no other overlap is allowed. No launch for `T = 0`.
+    /// [`MhcOps::pre`] of `residual_out` with the next sublayer's weights, in one launch (two
+    /// where [`crate::MhcPasses`] takes two); bit-identical to the two ops run in sequence.
+    /// `residual_out` may be exactly `input.residual` (in place); no other overlap is allowed. No
+    /// launch for `T = 0`.
     pub fn fused_post_pre(
         &self,
         stream: &Stream,

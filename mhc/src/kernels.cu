@@ -516,7 +516,7 @@ __device__ void mhc_project(const hf_bf16* __restrict__ residual, const hf_bf16*
 #define MHC_ST_HEAD 3
 #define MHC_ST_PRE 4
 #define MHC_ST_FUSED 4
-#define MHC_ST_STREAM_PRE 4    // the streamed projection's ring (plan.rs `stream_stages`)
+#define MHC_ST_STREAM_PRE 4    // the streamed projection's ring (plan.rs `STREAM_STAGES`)
 #define MHC_ST_STREAM_FUSED 4
 #endif
 

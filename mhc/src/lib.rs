@@ -69,10 +69,10 @@
 //!   217 KB of dynamic shared memory per block. Grid: `tiles · splits`.
 //! - `mhc_pre` and the fused op on tensor cores where every multiprocessor has enough work
 //!   ([`MhcPasses::Auto`]: `T · splits` at least 96 (fused: 48) per multiprocessor), in two
-//!   launches that never wait inside a launch: a *streamed projection*, one block per
-//!   multiprocessor, each taking an equal contiguous run of the (split, 16-token m-tile) units in
-//!   split-major order, loading a split's weight fragments once per run and streaming its
-//!   m-tiles through a ring of four stages; it writes the same per-(token, split) partials as the
+//!   launches that never wait inside a launch: a *streamed projection*, `S · (units / S)` blocks
+//!   (at most one per multiprocessor), each taking one split and an equal run of its 16-token
+//!   m-tiles, loading the split's weight fragments once and streaming the m-tiles through a ring
+//!   of four stages; it writes the same per-(token, split) partials as the
 //!   resident items (the fused op also its post-mixed streams to `residual_out`). Then *finish
 //!   blocks* (`mhc_pre_finish_n4`, 16 tokens × a run of 8-`h` chunks each, about two per
 //!   multiprocessor) sum the partials in split order, form the gates (and post and comb,

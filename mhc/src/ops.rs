@@ -54,15 +54,15 @@ pub enum MhcProjection {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MhcPasses {
     /// Two where every multiprocessor has enough work for them to pay (`T · ceil(H / 256)` at
-    /// least 96 times the multiprocessors for `mhc_pre`, 48 times for the fused op: on an H100 or
-    /// H200 from T = 1024 / 512 at H = 4096 and T = 512 / 256 at H = 7168), else one.
+    /// least 96 times the multiprocessors for `mhc_pre`, 48 times for the fused op: with 132
+    /// multiprocessors from T = 1024 / 512 at H = 4096 and T = 512 / 256 at H = 7168), else one.
     #[default]
     Auto,
     /// One launch: resident items, each tile's items waiting for each other and keeping the
     /// tile's rows in shared memory (the residual is read once).
     One,
-    /// Two launches: a streamed projection (one block per multiprocessor, each loading its
-    /// splits' weights once; partials only, and the fused op's updated residual), then finish
+    /// Two launches: a streamed projection (at most one block per multiprocessor, each loading
+    /// one split's weights once; partials only, and the fused op's updated residual), then finish
     /// blocks that read the (updated) residual again for `layer_input`. More bytes, no waits
     /// inside a launch.
     Two,
@@ -105,9 +105,10 @@ pub struct MhcPreOutputs<'a> {
 /// The mHC ops on one device, for one [`MhcConfig`].
 ///
 /// Every op takes caller-provided views (exact lengths for the call's `T`, derived from the
-/// residual's length), validates them, and enqueues one kernel launch on the stream (none for `T
-/// = 0`; two for `mhc_pre` and the fused op where they take [`MhcPasses::Two`]). Launch shapes depend on `T` alone, so the ops are capturable: capture at a padded
-/// `T` with views of persistent buffers and replay with fresh contents.
+/// residual's length), validates them, and enqueues one kernel launch on the stream (none for
+/// `T = 0`; two for `mhc_pre` and the fused op where they take [`MhcPasses::Two`]). Launch
+/// shapes depend on `T` alone, so the ops are capturable: capture at a padded `T` with views of
+/// persistent buffers and replay with fresh contents.
 ///
 /// The split-reduction ops (`hc_head`, `mhc_pre`, `mhc_fused_post_pre`) share one persistent
 /// workspace owned here. Launches on one stream are ordered and leave it ready for the next, but

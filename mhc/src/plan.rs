@@ -113,14 +113,10 @@ pub(crate) fn workspace_floats(tokens: usize, splits: usize) -> usize {
     (tokens * splits * (PRE_ROWS + 1)).next_multiple_of(4) + tokens * (HC_MULT + 1) * splits.next_multiple_of(4)
 }
 
-/// Stages of the streamed projection pass's ring (`MHC_ST_STREAM_PRE`, `MHC_ST_STREAM_FUSED` in
-/// `kernels.cu`).
-fn stream_stages(kind: Reduce) -> usize {
-    match kind {
-        Reduce::Head | Reduce::Pre => 4,
-        Reduce::Fused => 4,
-    }
-}
+/// Stages of the streamed projection pass's ring, for `mhc_pre` and the fused op alike
+/// (`MHC_ST_STREAM_PRE`, `MHC_ST_STREAM_FUSED` in `kernels.cu`).
+const STREAM_STAGES: usize = 4;
+
 /// Whether [`crate::MhcPasses::Auto`] takes the two passes: where every multiprocessor has at
 /// least this many (token, split) pairs of work (`T · S / units`): 96 for `mhc_pre`, 48 for the
 /// fused op, whose one-launch items spend longer on each tile. Measured on an H100 (two passes
@@ -141,7 +137,7 @@ const FINISH_MIN_CHUNKS: usize = 64;
 /// Dynamic shared memory of the streamed projection pass, bytes (`mhc_stream_launch_ok`): the
 /// ring's stages and the reduction buffers.
 pub(crate) fn stream_shared_bytes(kind: Reduce) -> u32 {
-    resident_shared_bytes(kind, stream_stages(kind) * MMA_ROWS)
+    resident_shared_bytes(kind, STREAM_STAGES * MMA_ROWS)
 }
 
 /// Whether the two passes can run for `kind` on a device whose blocks may use `max_shared` bytes
@@ -197,7 +193,8 @@ pub(crate) struct ReducePlan {
     /// their own 256 h after the tile's projections are in (no finish items; grid `S`).
     pub self_finish: bool,
     /// The two passes (`mhc_pre` and the fused op, tensor cores): `config` is the streamed
-    /// projection (one block per multiprocessor), this the `mhc_pre_finish_n4` launch after it.
+    /// projection (at most one block per multiprocessor, one split each), this the
+    /// `mhc_pre_finish_n4` launch after it.
     pub finish: Option<LaunchConfig>,
 }
 

@@ -316,15 +316,7 @@ fn pre_rows(
 pub fn pre_sums(residual: &[bf16], hc_fn: &[f32], hidden: usize) -> Result<Vec<f32>> {
     let t = tokens_of("pre_sums", residual.len(), hidden)?;
     let d = HC_MULT * hidden;
-    if hc_fn.len() != PRE_ROWS * d {
-        return Err(crate::MhcError::Shape {
-            op: "pre_sums",
-            arg: "hc_fn",
-            expected: PRE_ROWS * d,
-            got: hc_fn.len(),
-            shape: format!("[{PRE_ROWS}, {d}]"),
-        });
-    }
+    check("pre_sums", "hc_fn", hc_fn.len(), PRE_ROWS * d, || format!("[{PRE_ROWS}, {d}]"))?;
     let fnt = transpose(hc_fn, PRE_ROWS, d);
     let x = to_f32(residual);
     let mut out = vec![0.0f32; t * (PRE_ROWS + 1)];
