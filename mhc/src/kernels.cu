@@ -516,7 +516,7 @@ __device__ void mhc_project(const hf_bf16* __restrict__ residual, const hf_bf16*
 #define MHC_ST_HEAD 3
 #define MHC_ST_PRE 4
 #define MHC_ST_FUSED 4
-#define MHC_ST_STREAM_PRE 4    // the streamed projection's ring (plan.rs `STREAM_STAGES`)
+#define MHC_ST_STREAM_PRE 3    // the streamed projection's ring (plan.rs `stream_stages`)
 #define MHC_ST_STREAM_FUSED 4
 #endif
 
@@ -534,11 +534,16 @@ __device__ __forceinline__ uint32_t mhc_dynamic_smem() {
 }
 
 // The 8 h at h0 of `row` (zero past H, or all zero if !valid) into the lane's shared slot `dst`.
-template <bool VEC>
+// PF: the copy asks L2 for the whole 256-byte block (the block's other warps read its neighbours).
+template <bool VEC, bool PF = false>
 __device__ __forceinline__ void mhc_piece(uint32_t dst, const hf_bf16* row, const hf_bf16* safe, uint32_t h0,
                                           uint32_t H, bool valid) {
     if (VEC) {
-        hf_cp_async16(dst, valid ? (const void*)(row + h0) : (const void*)safe, valid ? 16u : 0u);
+        const void* src = valid ? (const void*)(row + h0) : (const void*)safe;
+        if (PF)
+            hf_cp_async16_l2_256(dst, src, valid ? 16u : 0u);
+        else
+            hf_cp_async16(dst, src, valid ? 16u : 0u);
     } else {
         const mhc_u32x4 u = valid ? mhc_load8<false>(row, h0, H) : mhc_u32x4{0u, 0u, 0u, 0u};
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
@@ -559,7 +564,7 @@ __device__ __forceinline__ void mhc_sts16(uint32_t a, mhc_u32x4 u) {
 
 // Copies the pieces of m-tile tokens [tm, tm + 16) for this lane: piece p = 2 c + rr is stream c
 // (c = 4: x, fused only) of token tm + g + 8 rr, at slot + 512 p.
-template <int PC, bool VEC>
+template <int PC, bool VEC, bool PF = false>
 __device__ __forceinline__ void mhc_mma_issue(uint32_t slot, const hf_bf16* residual, const hf_bf16* x_in,
                                               uint32_t H, uint32_t tm, uint32_t t_end, uint32_t g, uint32_t h0) {
 #pragma unroll
@@ -568,10 +573,10 @@ __device__ __forceinline__ void mhc_mma_issue(uint32_t slot, const hf_bf16* resi
         const bool valid = t < t_end && h0 < H;
 #pragma unroll
         for (int c = 0; c < MHC_N; ++c)
-            mhc_piece<VEC>(slot + 512u * (2 * c + rr), valid ? residual + (t * MHC_N + c) * H : residual, residual,
-                           h0, H, valid);
+            mhc_piece<VEC, PF>(slot + 512u * (2 * c + rr), valid ? residual + (t * MHC_N + c) * H : residual,
+                               residual, h0, H, valid);
         if (PC > MHC_N)
-            mhc_piece<VEC>(slot + 512u * (2 * MHC_N + rr), valid ? x_in + t * H : x_in, x_in, h0, H, valid);
+            mhc_piece<VEC, PF>(slot + 512u * (2 * MHC_N + rr), valid ? x_in + t * H : x_in, x_in, h0, H, valid);
     }
 }
 
@@ -614,7 +619,8 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
 #pragma unroll
     for (int s = 0; s < ST - 1; ++s) {
         if ((uint32_t)s < M)
-            mhc_mma_issue<PC, VEC>(slot + s * Smem::stage_bytes, residual, x_in, H, t_begin + 16 * s, t_end, g, h0);
+            mhc_mma_issue<PC, VEC, RING>(slot + s * Smem::stage_bytes, residual, x_in, H, t_begin + 16 * s, t_end, g,
+                                         h0);
         hf_cp_async_commit();
     }
 
@@ -643,8 +649,8 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
         {
             const uint32_t nm = m + ST - 1;
             if (nm < M)
-                mhc_mma_issue<PC, VEC>(slot + (RING ? nm % ST : nm) * Smem::stage_bytes, residual, x_in, H,
-                                  t_begin + 16 * nm, t_end, g, h0);
+                mhc_mma_issue<PC, VEC, RING>(slot + (RING ? nm % ST : nm) * Smem::stage_bytes, residual, x_in, H,
+                                             t_begin + 16 * nm, t_end, g, h0);
             hf_cp_async_commit();
         }
         hf_cp_async_wait<ST - 1>();

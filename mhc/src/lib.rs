@@ -72,12 +72,14 @@
 //!   launches that never wait inside a launch: a *streamed projection*, `S · (units / S)` blocks
 //!   (at most one per multiprocessor), each taking one split and an equal run of its 16-token
 //!   m-tiles, loading the split's weight fragments once and streaming the m-tiles through a ring
-//!   of four stages; it writes the same per-(token, split) partials as the
-//!   resident items (the fused op also its post-mixed streams to `residual_out`). Then *finish
-//!   blocks* (`mhc_pre_finish_n4`, 16 tokens × a run of 8-`h` chunks each, about two per
-//!   multiprocessor) sum the partials in split order, form the gates (and post and comb,
-//!   Sinkhorn) and write `layer_input` from the residual (the fused op's `residual_out`), read
-//!   a second time. The same arithmetic per token as the resident items: the same bits.
+//!   of three stages (the fused op: four; each copy asks L2 for the whole 256-byte block around
+//!   it, which the block's other warps read next); it writes the same per-(token, split)
+//!   partials as the resident items (the fused op also its post-mixed streams to
+//!   `residual_out`). Then *finish blocks* (`mhc_pre_finish_n4`, 16 tokens × a run of 8-`h`
+//!   chunks each, about two per multiprocessor) sum the partials in split order, form the gates
+//!   (and post and comb, Sinkhorn) and write `layer_input` from the residual (the fused op's
+//!   `residual_out`), read a second time. The same arithmetic per token as the resident items:
+//!   the same bits.
 //! - The same ops elsewhere (portable path): a *projection item* (tile of up to 128 tokens × one
 //!   split) accumulates Σx² and the `n` (or `n(n+2)`) dot products per token and writes per-split
 //!   partials: `hc_head` gives each token 32 lanes × 2 quads per split (a register tile of 2

@@ -113,9 +113,14 @@ pub(crate) fn workspace_floats(tokens: usize, splits: usize) -> usize {
     (tokens * splits * (PRE_ROWS + 1)).next_multiple_of(4) + tokens * (HC_MULT + 1) * splits.next_multiple_of(4)
 }
 
-/// Stages of the streamed projection pass's ring, for `mhc_pre` and the fused op alike
-/// (`MHC_ST_STREAM_PRE`, `MHC_ST_STREAM_FUSED` in `kernels.cu`).
-const STREAM_STAGES: usize = 4;
+/// Stages of the streamed projection pass's ring (`MHC_ST_STREAM_PRE`, `MHC_ST_STREAM_FUSED` in
+/// `kernels.cu`).
+fn stream_stages(kind: Reduce) -> usize {
+    match kind {
+        Reduce::Head | Reduce::Pre => 3,
+        Reduce::Fused => 4,
+    }
+}
 
 /// Whether [`crate::MhcPasses::Auto`] takes the two passes: where every multiprocessor has at
 /// least this many (token, split) pairs of work (`T · S / units`): 96 for `mhc_pre`, 48 for the
@@ -137,7 +142,7 @@ const FINISH_MIN_CHUNKS: usize = 64;
 /// Dynamic shared memory of the streamed projection pass, bytes (`mhc_stream_launch_ok`): the
 /// ring's stages and the reduction buffers.
 pub(crate) fn stream_shared_bytes(kind: Reduce) -> u32 {
-    resident_shared_bytes(kind, STREAM_STAGES * MMA_ROWS)
+    resident_shared_bytes(kind, stream_stages(kind) * MMA_ROWS)
 }
 
 /// Whether the two passes can run for `kind` on a device whose blocks may use `max_shared` bytes
@@ -579,12 +584,12 @@ mod tests {
             .is_none());
         let portable = ReduceShape { mma: false, head_mma: false, passes: MhcPasses::Two, ..shape };
         assert!(reduce(Reduce::Pre, 16_384, 4096, 132, portable).finish.is_none());
-        // sm_80's 163 KiB hold mhc_pre's four stages (153.6 KiB with the reduction buffers) but not
-        // the fused op's (185.6 KiB): it stays on one launch there.
+        // sm_80's 163 KiB hold mhc_pre's three stages (121.6 KiB with the reduction buffers) but
+        // not the fused op's four (185.6 KiB): it stays on one launch there.
         let sm80 = ReduceShape { max_shared: 163 * 1024, ..shape };
         assert!(reduce(Reduce::Pre, 16_384, 4096, 108, sm80).finish.is_some());
         assert!(reduce(Reduce::Fused, 16_384, 4096, 108, sm80).finish.is_none());
-        assert_eq!(stream_shared_bytes(Reduce::Pre), 4 * 32 * 1024 + 25 * 1024);
+        assert_eq!(stream_shared_bytes(Reduce::Pre), 3 * 32 * 1024 + 25 * 1024);
         assert_eq!(stream_shared_bytes(Reduce::Fused), 4 * 40 * 1024 + 25 * 1024);
     }
 
