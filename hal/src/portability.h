@@ -266,14 +266,15 @@ __device__ __forceinline__ uint32_t hf_smem_addr(const void* p) {
     return r;
 }
 // 16 bytes global -> shared, asynchronously; bytes past `src_bytes` (0 or 16) are zero-filled.
+// L2_256: also asks L2 to fetch the whole 256-byte block around `src` from memory (for copies
+// whose neighbours other threads ask for at about the same time).
+template <bool L2_256 = false>
 __device__ __forceinline__ void hf_cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-// As hf_cp_async16, and asks L2 to fetch the whole 256-byte block around `src` from memory (for
-// copies whose neighbours other threads ask for at about the same time).
-__device__ __forceinline__ void hf_cp_async16_l2_256(uint32_t dst, const void* src, uint32_t src_bytes) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
-                 : "memory");
+    if constexpr (L2_256)
+        asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes)
+                     : "memory");
+    else
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void hf_cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 // Waits until at most N committed cp.async groups of this thread are still in flight.

@@ -539,11 +539,7 @@ template <bool VEC, bool PF = false>
 __device__ __forceinline__ void mhc_piece(uint32_t dst, const hf_bf16* row, const hf_bf16* safe, uint32_t h0,
                                           uint32_t H, bool valid) {
     if (VEC) {
-        const void* src = valid ? (const void*)(row + h0) : (const void*)safe;
-        if (PF)
-            hf_cp_async16_l2_256(dst, src, valid ? 16u : 0u);
-        else
-            hf_cp_async16(dst, src, valid ? 16u : 0u);
+        hf_cp_async16<PF>(dst, valid ? (const void*)(row + h0) : (const void*)safe, valid ? 16u : 0u);
     } else {
         const mhc_u32x4 u = valid ? mhc_load8<false>(row, h0, H) : mhc_u32x4{0u, 0u, 0u, 0u};
         asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w)
