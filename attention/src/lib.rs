@@ -54,7 +54,10 @@ pub mod source;
 mod sparse_attention;
 mod swa;
 
-pub use c128a::{c128a_max_compressed, C128aBuilder, C128aDecode, C128aMetadata, C128A_ALIGN, C128A_RATIO};
+pub use c128a::{
+    c128a_max_compressed, C128aBuilder, C128aDecode, C128aMetadata, C128A_ALIGN, C128A_RATIO,
+    C128A_SHARED_BLOCKS_PER_UNIT,
+};
 pub use c4a::{C4aBuilder, C4aDecode, C4aMetadata, C4A_RATIO};
 pub use common::{
     persistent_alloc, ragged_capacity, BlockTableConfig, BlockTableUpdate, BlockTableUpdates, BufferAlloc, BuildStats,

@@ -441,6 +441,12 @@ fn every_rejected_builder_config_or_common_names_it(dev: &Device) {
             words(&["compress ratio 8", "0/1 (SWA only), 4 (c4a) or 128 (c128a)"]),
         ),
         (
+            "c128a grid cap 0",
+            C128aBuilder::new(dev, &cfg).and_then(|b| b.with_grid_cap(Some(0))).map(|_| ()),
+            config_error,
+            words(&["c128a grid cap of 0 blocks per compute unit", "at least 1"]),
+        ),
+        (
             "SWA window 0",
             SwaBuilder::new(dev, &cfg, 0).map(|_| ()),
             config_error,
@@ -581,7 +587,8 @@ fn views_depend_only_on_the_padded_row_count(dev: &Device) {
 /// Many decode rows: more blocks than the device holds at once (later rows' blocks start as
 /// earlier ones finish), rows whose c4a look-back crosses many windows of a warp's width, and
 /// more than two rows per multiprocessor (the c128a build stores its -1 tails in its passes, where
-/// the small batches above store them first).
+/// the small batches above store them first). Then the c128a build with its grid capped at 1 and
+/// at 3 blocks per compute unit, so that each block builds many rows in turn.
 fn many_rows_are_built_past_what_the_device_holds_at_once(dev: &Device) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0xB10C);
@@ -589,7 +596,9 @@ fn many_rows_are_built_past_what_the_device_holds_at_once(dev: &Device) {
     let rows = 16 * dev.info().compute_units.max(1) as usize + 2048 + 173;
     let cfg = config(rows, rows, 2048, 0, 64, 256);
     let mut rig = Rig::new(dev, cfg, 128, 64);
-    for _ in 0..2 {
+    for cap in [None, None, Some(1), Some(holdfast_attention::C128A_SHARED_BLOCKS_PER_UNIT)] {
+        rig.c128a = C128aBuilder::new(dev, &cfg).and_then(|b| b.with_grid_cap(cap)).expect("c128a");
+        assert_eq!(rig.c128a.grid_cap(), cap);
         let b = random_batch(&mut rng, &cfg, rows, 0, 0, 0);
         let l = rig.check(dev, &s, &b, &mut rng);
         assert_eq!(l.num_decode_tokens, rows);

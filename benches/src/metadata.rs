@@ -20,7 +20,7 @@ use std::time::Instant;
 use holdfast_attention::sim::{admitted, DecodeBatch, XorShift};
 use holdfast_attention::{
     c128a_max_compressed, BlockTableConfig, C128aBuilder, C4aBuilder, CommonAttentionMetadata, CommonConfig, StepInput,
-    SwaBuilder,
+    SwaBuilder, C128A_SHARED_BLOCKS_PER_UNIT,
 };
 use holdfast_hal::{Buffer, Stream, View};
 
@@ -220,7 +220,8 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let s = &ctx.s;
     let mut common = CommonAttentionMetadata::new(&dev, cfg)?;
     let swa = SwaBuilder::new(&dev, &cfg, WINDOW)?;
-    let c128a = C128aBuilder::new(&dev, &cfg)?;
+    // The graph runs the c4a build beside the c128a one (`Builds::enqueue`).
+    let c128a = C128aBuilder::new(&dev, &cfg)?.with_grid_cap(Some(C128A_SHARED_BLOCKS_PER_UNIT))?;
     let c4a = C4aBuilder::new(&dev, &cfg, TOPK)?;
     let mut rng = XorShift::new(0x9e37_79b9_7f4a_7c15);
     let topk_h: Vec<i32> = (0..max_rows * TOPK).map(|_| rng.below((max_model_len / 4) as u64) as i32).collect();
