@@ -633,6 +633,14 @@ fn no_attention_kernel_spills_to_local_memory() {
     assert_sm90a_frames_within(holdfast_attention::indexer_source(), &[]);
 }
 
+/// The warpgroup kernel's MMAs run as written: ptxas neither serialises them nor inserts waits
+/// (a register of an MMA in flight touched by another instruction would do either).
+#[cfg(feature = "cuda")]
+#[test]
+fn warpgroup_mmas_are_not_serialised() {
+    holdfast_hal::testing::assert_sm90a_wgmma_not_serialised(holdfast_attention::sparse_attention_source());
+}
+
 #[cfg(feature = "rocm")]
 #[test]
 fn sparse_attention_compiles_for_gfx90a_with_hiprtc() {

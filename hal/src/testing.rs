@@ -170,6 +170,23 @@ pub fn assert_sm90a_frames_within(src: &crate::KernelSource, frames: &[(&str, u3
     true
 }
 
+/// Compiles `src` with NVRTC for `sm_90a` (uncached, so that ptxas's notes are in the log) and
+/// asserts that ptxas neither serialised a kernel's warpgroup MMAs (C7514) nor inserted waits for
+/// them (C7517): both mean that some instruction touches an MMA's registers while it may still be
+/// in flight, which costs the overlap the code was written for (and, where the compiler could not
+/// see it, would be a race). `false` (after printing a `skipped:` line) where NVRTC is missing,
+/// unless `HOLDFAST_REQUIRE_NVRTC` is set. Panics on failure: this is a test helper.
+#[cfg(feature = "cuda")]
+pub fn assert_sm90a_wgmma_not_serialised(src: &crate::KernelSource) -> bool {
+    if compiler_missing("NVRTC", "HOLDFAST_REQUIRE_NVRTC", crate::cuda::nvrtc_unavailable_reason()) {
+        return false;
+    }
+    let log = crate::cuda::compile_log(src, "sm_90a", 32).unwrap_or_else(|e| panic!("`{}` for sm_90a: {e}", src.name));
+    let notes: Vec<&str> = log.lines().filter(|l| l.contains("(C7514)") || l.contains("(C7517)")).collect();
+    assert!(notes.is_empty(), "`{}`: ptxas serialised or waited on warpgroup MMAs:\n{}", src.name, notes.join("\n"));
+    true
+}
+
 /// `src` compiled for `sm_90a` (warp 32) as a CUDA device loads it, through the kernel cache, so
 /// the checks above compile each source once per machine; `None` (after printing a `skipped:`
 /// line) where NVRTC is missing, unless `HOLDFAST_REQUIRE_NVRTC` is set.

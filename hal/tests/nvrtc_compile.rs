@@ -67,3 +67,34 @@ fn the_cubin_names_every_kernel_with_its_registers_and_a_spilling_one_with_its_f
     assert_eq!(k[0].name, local.entries[0].name);
     assert!(k[0].frame_bytes >= 256, "{:?}", k[0]);
 }
+
+#[test]
+fn ptxas_notes_on_warpgroup_mmas_read_before_their_wait_are_caught() {
+    // The demo's warpgroup-MMA kernel waits before it reads its accumulators: a clean log.
+    if !holdfast_hal::testing::assert_sm90a_wgmma_not_serialised(demo_kernels::source()) {
+        return;
+    }
+    // One that adds to an accumulator while its MMA may still be in flight: ptxas must keep the
+    // order itself (a note C7514 or C7517), which the check reports.
+    let mut early = demo_kernels::source().clone();
+    early.name = "early_read";
+    early.code = "HF_KERNEL void hf_touch(float* y, uint32_t n) {\n\
+                  #if defined(HF_HAS_WGMMA)\n\
+                  extern __shared__ __align__(1024) unsigned char sm[];\n\
+                  const uint64_t d = hf_wgmma_desc(hf_smem_addr(sm), 128u, 1024u);\n\
+                  float acc[16];\n\
+                  for (int i = 0; i < 16; ++i) acc[i] = y[i];\n\
+                  hf_wgmma_fence();\n\
+                  hf_wgmma_m64n32k16(acc, d, d, 1u);\n\
+                  hf_wgmma_commit();\n\
+                  acc[0] += (float)n;\n\
+                  hf_wgmma_wait<0>();\n\
+                  for (int i = 0; i < 16; ++i) y[threadIdx.x * 16u + i] = acc[i];\n\
+                  #endif\n\
+                  }";
+    early.entries.retain(|e| e.name == "hf_touch");
+    let log = cuda::compile_log(&early, "sm_90a", 32).expect("compiles");
+    assert!(log.contains("(C7514)") || log.contains("(C7517)"), "no ptxas note on the early read: {log}");
+    let caught = std::panic::catch_unwind(|| holdfast_hal::testing::assert_sm90a_wgmma_not_serialised(&early));
+    assert!(caught.is_err(), "the check lets an early read through");
+}

@@ -13,6 +13,9 @@ pub(crate) struct Compiled {
     pub(crate) cubin: Vec<u8>,
     /// PTX text, NUL-terminated (the driver JIT-compiles it if the CUBIN cannot load).
     pub(crate) ptx: Vec<u8>,
+    /// NVRTC's program log of a successful compilation (ptxas's notes among it), empty when the
+    /// entry came from the kernel cache.
+    pub(crate) log: String,
 }
 
 /// The full text NVRTC compiles: the portability header then the kernel code.
@@ -51,6 +54,14 @@ fn nvrtc_err(call: &'static str, e: cudarc::nvrtc::result::NvrtcError) -> HalErr
 pub fn compile(src: &KernelSource, arch: &str, warp: u32) -> Result<(Vec<u8>, Vec<u8>)> {
     let c = compile_inner(src, arch, warp)?;
     Ok((c.cubin, c.ptx))
+}
+
+/// NVRTC's program log of compiling `src` for `arch` with warp width `warp` (never cached):
+/// empty for a clean compilation, else its notes, ptxas's among them (for example C7514 and
+/// C7517, which say that a kernel's warpgroup MMAs were serialised or had waits inserted because
+/// other instructions touch their registers while they are in flight).
+pub fn compile_log(src: &KernelSource, arch: &str, warp: u32) -> Result<String> {
+    Ok(compile_inner(src, arch, warp)?.log)
 }
 
 fn options(arch: &str, warp: u32) -> Vec<String> {
@@ -116,7 +127,7 @@ pub(crate) fn compile_inner(src: &KernelSource, arch: &str, warp: u32) -> Result
             .into_iter()
             .map(|c| c as u8)
             .collect();
-        Ok(Compiled { cubin, ptx })
+        Ok(Compiled { cubin, ptx, log: log.clone() })
     })();
     // SAFETY: `prog` is live and destroyed exactly once.
     let _ = unsafe { nvrtc::destroy_program(prog) };

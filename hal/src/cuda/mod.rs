@@ -26,7 +26,7 @@ mod loader;
 mod nccl;
 
 pub(crate) use comm::CudaComm;
-pub use compile::{compile, nvrtc_unavailable_reason, nvrtc_version, ptx_entry_waits_for_prior};
+pub use compile::{compile, compile_log, nvrtc_unavailable_reason, nvrtc_version, ptx_entry_waits_for_prior};
 pub(crate) use compile::{compile_cached, Compiled};
 pub use cubin::{kernel_resources, KernelResources};
 pub use kcache::{kernel_cache_dir, KERNEL_CACHE_ENV};
