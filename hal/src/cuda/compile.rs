@@ -13,9 +13,6 @@ pub(crate) struct Compiled {
     pub(crate) cubin: Vec<u8>,
     /// PTX text, NUL-terminated (the driver JIT-compiles it if the CUBIN cannot load).
     pub(crate) ptx: Vec<u8>,
-    /// NVRTC's program log of a successful compilation (ptxas's notes among it), empty when the
-    /// entry came from the kernel cache.
-    pub(crate) log: String,
 }
 
 /// The full text NVRTC compiles: the portability header then the kernel code.
@@ -61,7 +58,7 @@ pub fn compile(src: &KernelSource, arch: &str, warp: u32) -> Result<(Vec<u8>, Ve
 /// C7517, which say that a kernel's warpgroup MMAs were serialised or had waits inserted because
 /// other instructions touch their registers while they are in flight).
 pub fn compile_log(src: &KernelSource, arch: &str, warp: u32) -> Result<String> {
-    Ok(compile_inner(src, arch, warp)?.log)
+    compile_with_log(src, arch, warp).map(|(_, log)| log)
 }
 
 fn options(arch: &str, warp: u32) -> Vec<String> {
@@ -95,6 +92,12 @@ fn compile_cached_in(
 
 /// One NVRTC compilation of `src` (never cached).
 pub(crate) fn compile_inner(src: &KernelSource, arch: &str, warp: u32) -> Result<Compiled> {
+    compile_with_log(src, arch, warp).map(|(c, _)| c)
+}
+
+/// [`compile_inner`], with NVRTC's program log of the successful compilation (ptxas's notes
+/// among it).
+fn compile_with_log(src: &KernelSource, arch: &str, warp: u32) -> Result<(Compiled, String)> {
     require_nvrtc()?;
     let fail = |log: String| HalError::Compile { source_name: src.name.to_string(), arch: arch.to_string(), log };
     let text = CString::new(full_source(src)).map_err(|_| fail("kernel source contains a NUL byte".into()))?;
@@ -127,11 +130,11 @@ pub(crate) fn compile_inner(src: &KernelSource, arch: &str, warp: u32) -> Result
             .into_iter()
             .map(|c| c as u8)
             .collect();
-        Ok(Compiled { cubin, ptx, log: log.clone() })
+        Ok(Compiled { cubin, ptx })
     })();
     // SAFETY: `prog` is live and destroyed exactly once.
     let _ = unsafe { nvrtc::destroy_program(prog) };
-    out
+    out.map(|c| (c, log))
 }
 
 /// Whether entry point `entry` of the PTX text `ptx` waits for the kernel launched before it

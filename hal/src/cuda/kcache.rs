@@ -81,7 +81,7 @@ pub(crate) fn load(dir: &Path, key: &str) -> Option<Compiled> {
     if hash64(0, &[payload]) != sum {
         return None;
     }
-    Some(Compiled { cubin: payload[..nc].to_vec(), ptx: payload[nc..].to_vec(), log: String::new() })
+    Some(Compiled { cubin: payload[..nc].to_vec(), ptx: payload[nc..].to_vec() })
 }
 
 /// Writes `c` as the entry for `key` (temporary file, then rename); errors are ignored.
@@ -149,7 +149,7 @@ mod tests {
     #[test]
     fn entries_round_trip_and_damaged_ones_are_misses() {
         let dir = scratch("rt");
-        let c = Compiled { cubin: vec![1, 2, 3, 4, 5], ptx: b"// ptx\0".to_vec(), log: String::new() };
+        let c = Compiled { cubin: vec![1, 2, 3, 4, 5], ptx: b"// ptx\0".to_vec() };
         assert!(load(&dir, "k").is_none(), "an empty cache misses");
         store(&dir, "k", &c);
         let got = load(&dir, "k").expect("hit");
@@ -178,7 +178,7 @@ mod tests {
     fn an_unwritable_directory_is_only_a_miss() {
         let file = scratch("file");
         std::fs::write(&file, b"x").expect("write");
-        let c = Compiled { cubin: vec![9], ptx: vec![0], log: String::new() };
+        let c = Compiled { cubin: vec![9], ptx: vec![0] };
         store(&file, "k", &c); // `file` is not a directory: nothing happens, nothing panics
         assert!(load(&file, "k").is_none());
         let _ = std::fs::remove_file(&file);
