@@ -55,6 +55,23 @@ fn weights(ctx: &Ctx, rows: usize, hidden: usize, scales: usize) -> Result<[Buff
     ])
 }
 
+/// The launches `op` makes at `t` tokens, for the row's note: each grid's blocks × threads and
+/// dynamic shared memory, and whether they run on thread-block clusters (how many blocks the
+/// grid holds is what bounds the ops whose tiles take turns on the device).
+fn launches(ops: &MhcOps, op: MhcOp, t: usize) -> String {
+    let grids: Vec<String> = ops
+        .launch_configs(op, t)
+        .iter()
+        .map(|c| {
+            let blocks = u64::from(c.grid.0) * u64::from(c.grid.1) * u64::from(c.grid.2);
+            let threads = c.block.0 * c.block.1 * c.block.2;
+            format!("{blocks} × {threads}, {} B shared", c.shared_mem_bytes)
+        })
+        .collect();
+    let clusters = if ops.uses_clusters(op) { " (thread-block clusters)" } else { "" };
+    format!("launches: {}{clusters}", grids.join(" then "))
+}
+
 /// Runs the section.
 pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
@@ -112,7 +129,7 @@ fn run_hidden(ctx: &mut Ctx, h: usize, ts: &[usize]) -> Result<Vec<Row>> {
             if let Some(tg) = target(op, t) {
                 row = row.with_target(tg);
             }
-            rows.push(row);
+            rows.push(row.with_note(launches(&ops, op, t)));
         }
     }
     Ok(rows)
