@@ -64,8 +64,7 @@ fn launches(ops: &MhcOps, op: MhcOp, t: usize) -> String {
         .iter()
         .map(|c| {
             let blocks = u64::from(c.grid.0) * u64::from(c.grid.1) * u64::from(c.grid.2);
-            let threads = c.block.0 * c.block.1 * c.block.2;
-            format!("{blocks} × {threads}, {} B shared", c.shared_mem_bytes)
+            format!("{blocks} × {}, {} B shared", c.threads_per_block(), c.shared_mem_bytes)
         })
         .collect();
     let clusters = if ops.uses_clusters(op) { " (thread-block clusters)" } else { "" };
