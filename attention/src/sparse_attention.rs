@@ -30,9 +30,11 @@
 //!   the cluster combines the blocks' maxima, running sums and f32 partial outputs in block order
 //!   through distributed shared memory (each block finishes `64 / split` heads); an unsplit
 //!   row's bf16 outputs are staged in shared memory and written in 16-byte pieces, whole lines
-//!   per warp. Q is staged in
-//!   shared memory and read once into warpgroup 0's registers; the entries stream through two `cp.async`-staged tiles of 64
-//!   (their slots fetched a tile ahead) in the 128-byte-swizzled layout, so every warp's copy
+//!   per warp. Q is staged in shared memory (a `cp.async` group of its own, so that warpgroup 0
+//!   reads it into its registers while the first tile still lands) and read once into warpgroup
+//!   0's registers; its shared memory then serves as the third of three K buffers: the entries
+//!   stream through `cp.async`-staged tiles of 64, two tiles ahead (their slots fetched a tile
+//!   before that), in the 128-byte-swizzled layout, so every warp's copy
 //!   moves whole 128-byte lines at both ends (the no-swizzle layout scattered each row's 16-byte
 //!   pieces 128 bytes apart, which split every 32-byte sector into two requests);
 //!   the warpgroups take turns: warpgroup 0 runs `q·kᵀ` over the whole tile as `wgmma`
@@ -41,10 +43,11 @@
 //!   registers), writes `p` (rounded to bf16 as above, double-buffered) and the rescale factors,
 //!   then `p·v` for `head_dim` 0 .. 127 (`wgmma` m64n128k16); warpgroup 1 runs `p·v` for 128 ..
 //!   511 (m64n256k16 + m64n128k16) from the same `p` and stages the tiles after the first. The
-//!   hand-offs are mbarriers (a tile landed, `p` written, a buffer free), so neither waits for
-//!   the other more than the data requires. f32 accumulation, the scores kept in base 2
+//!   hand-offs are mbarriers (a tile landed, `p` written, a buffer free of both warpgroups' reads,
+//!   Q read), so neither waits for the other more than the data requires; `tests/wg_handoffs.rs`
+//!   runs a model of them under thousands of interleavings. f32 accumulation, the scores kept in base 2
 //!   (`s·scale·log2 e`) and exponentiated by the multi-function unit's `2^x` (relative error
-//!   below 2⁻²²). 215 096 bytes of shared memory, one block per multiprocessor. Its summation
+//!   below 2⁻²²). 215 368 bytes of shared memory, one block per multiprocessor. Its summation
 //!   order differs from the `mma.sync` kernel's (and
 //!   with the split), so they agree within the bf16 bound, not bit for bit; each kernel at a
 //!   given split is batch-invariant on its own.
@@ -428,8 +431,9 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 //
 // One cluster of blocks per (row, group of 64 heads) (block r of a cluster of ns takes the row's
 // tiles r, r + ns, ..), two warpgroups (256 threads) per block. Q of the 64 heads sits in
-// shared memory for the whole row; the row's entries (main, then extra) stream through two
-// cp.async-staged tiles of 64 entries. Q and the K tiles use the 128-byte swizzle (see the
+// shared memory until warpgroup 0 read it into its registers, and is then the third of three K
+// buffers; the row's entries (main, then extra) stream through them in cp.async-staged tiles of
+// 64 entries, two tiles ahead. Q and the K tiles use the 128-byte swizzle (see the
 // staging below), P the no-swizzle layout of 8 x 8 core matrices (hf_wg_off). The warpgroups
 // take turns: per tile, warpgroup 0 (1) scores all 64 entries against the 64 heads (32 wgmma
 // m64n64k16 over head_dim, Q from registers, loaded once per row, and K from shared memory), (2)
@@ -442,7 +446,7 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 #define HF_WG_HEADS 64
 #define HF_WG_NT 64
 #define HF_WG_MAX_SPLIT 8
-#define HF_WG_MBARS 7  // KREADY, PFULL, KFREE (pairs) and WG0
+#define HF_WG_MBARS 9  // KREADY, PFULL (pairs), KFREE (one per K buffer), WG0 and QFREE
 #define HF_WG_DW0 128  // head_dim columns of O accumulated by warpgroup 0 (the rest: warpgroup 1)
 
 #if defined(HF_HAS_WGMMA)
@@ -458,6 +462,13 @@ __device__ __forceinline__ uint32_t hf_wg_off(uint32_t r, uint32_t k, uint32_t K
 // A block barrier that the warpgroups may reach from different code (barrier.sync without
 // .aligned; __syncthreads compiles to the aligned form, which all threads must reach at one place).
 __device__ __forceinline__ void hf_wg_block_barrier() { asm volatile("barrier.sync 0;" ::: "memory"); }
+// Named barrier `id` of `n` threads: wait for all of them (sync), or arrive without waiting.
+__device__ __forceinline__ void hf_wg_named_sync(uint32_t id, uint32_t n) {
+    asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
+__device__ __forceinline__ void hf_wg_named_arrive(uint32_t id, uint32_t n) {
+    asm volatile("barrier.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
+}
 __device__ __forceinline__ float hf_wg_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -541,9 +552,13 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const uint32_t ns = hf_cluster_blocks(), rank = hf_cluster_rank(), cta = blockIdx.x / ns;
     const uint32_t t = cta / groups, hbase = (cta % groups) * HB;
     if (t >= T) return;  // the whole cluster: its blocks share the row
-    float* bias = (float*)(hf_smem + QB + 2u * TB + 2u * PB);  // [2][NT]: 0, or -inf for a skipped entry
-    float* red = bias + 2u * NT;                           // [2][HB]
-    const uint32_t qs_a = hf_smem_addr(hf_smem), ks_a = qs_a + QB, ps_a = ks_a + 2u * TB;
+    // Three K buffers of TB bytes each at qs_a + k·TB: buffer 0 is Q's, free once warpgroup 0 holds
+    // Q in its registers; tile i goes to buffer (i + 1) % 3 (tiles 0 and 1 into buffers 1 and 2,
+    // beside Q; tile 2 over Q).
+    static_assert(QB == TB, "Q's shared memory is the third K buffer");
+    float* bias = (float*)(hf_smem + QB + 2u * TB + 2u * PB);  // [3][NT], per K buffer: 0, or -inf for a skipped entry
+    float* red = bias + 3u * NT;                           // [2][HB]
+    const uint32_t qs_a = hf_smem_addr(hf_smem), ps_a = qs_a + QB + 2u * TB;
     unsigned char* ps = hf_smem + QB + 2u * TB;  // [2] P tiles
 
     // The warpgroup index through a shuffle, so the compiler sees it uniform across the warp and
@@ -560,7 +575,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     const uint32_t nloc = ntiles > rank ? (ntiles - rank + ns - 1u) / ns : 0u;  // this block's tiles
 
     // Q in the K tiles' layout (below): thread t stages heads t / 8 + 32u of chunk t % 8 of every
-    // 64-column block (heads past H are zero rows).
+    // 64-column block (heads past H are zero rows). Its own cp.async group (the first).
 #pragma unroll
     for (uint32_t u = 0; u < HB / 32u; ++u) {
         const uint32_t r = (tid >> 3) + 32u * u, cq = tid & 7u, h = hbase + r;
@@ -570,70 +585,95 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         for (uint32_t a = 0; a < D / 64u; ++a)
             hf_cp_async16(qs_a + a * (HB * 128u) + r * 128u + ((cq ^ (r & 7u)) << 4), src + (ok ? a * 64u : 0u), ok ? 16u : 0u);
     }
+    hf_cp_async_commit();
     // K tiles use the 128-byte-swizzled K-major layout: column block a (head_dim 64a .. 64a + 63)
     // of entry e sits at a·ATOM + 128·e, its 16-byte chunk c at chunk c ^ (e % 8). Eight threads
     // stage each entry (chunk k % 8 of every column block for thread k), so a warp's copy reads
     // four whole 128-byte lines and writes 512 contiguous bytes. The first tile is staged by the
-    // whole block (entries k / 8 and k / 8 + 32 of thread k), every later one by warpgroup 1
-    // (entries k / 8 + 16u, u < 4, of its thread k). The slots (-1 past the list) are plain loads
-    // fetched a tile ahead, so staging never waits on them.
+    // whole block (entries k / 8 and k / 8 + 32 of thread k; the second cp.async group), every
+    // later one by warpgroup 1 (entries k / 8 + 16u, u < 4, of its thread k; one group per tile).
+    // The slots (-1 past the list) are plain loads fetched a tile ahead, so staging never waits on
+    // them.
     auto fetch = [&](uint32_t tile, uint32_t e) -> int32_t {
         const uint32_t j = tile * NT + e;
         const int32_t* at = j < nm ? main_idx + mb + (int32_t)j : extra_idx + eb + (int32_t)(j - nm);
         return j < n ? *at : -1;
     };
-    // Entry e of tile `tile` into buffer `b` (an invalid or missing entry is a zero row with bias
-    // -inf), chunk c8 of every column block.
-    auto stage_entry = [&](uint32_t tile, uint32_t b, uint32_t e, uint32_t c8, int32_t slot) {
+    // Entry e of tile `tile` into K buffer `kb` (an invalid or missing entry is a zero row with
+    // bias -inf), chunk c8 of every column block.
+    auto stage_entry = [&](uint32_t tile, uint32_t kb, uint32_t e, uint32_t c8, int32_t slot) {
         const uint32_t j = tile * NT + e;
         const bool in_main = j < nm;
         const bool ok = j < n && slot >= 0 && (uint32_t)slot < (in_main ? S_main : S_extra);
         const hf_bf16* src = (in_main ? main_cache : extra_cache) + (ok ? (uint64_t)slot * D + c8 * 8u : 0u);
-        const uint32_t dst = ks_a + b * TB + e * 128u + ((c8 ^ (e & 7u)) << 4), bytes = ok ? 16u : 0u;
+        const uint32_t dst = qs_a + kb * TB + e * 128u + ((c8 ^ (e & 7u)) << 4), bytes = ok ? 16u : 0u;
         const uint32_t step = ok ? 64u : 0u;
 #pragma unroll
         for (uint32_t a = 0; a < D / 64u; ++a) hf_cp_async16(dst + a * ATOM, src + a * step, bytes);
-        if (c8 == 0u) bias[b * NT + e] = ok ? 0.0f : NEG_INF;
+        if (c8 == 0u) bias[kb * NT + e] = ok ? 0.0f : NEG_INF;
     };
     if (nloc > 0u) {
         const uint32_t se = tid >> 3;
         const int32_t s0 = fetch(rank, se), s1 = fetch(rank, se + 32u);
-        stage_entry(rank, 0u, se, tid & 7u, s0);
-        stage_entry(rank, 0u, se + 32u, tid & 7u, s1);
+        stage_entry(rank, 1u, se, tid & 7u, s0);
+        stage_entry(rank, 1u, se + 32u, tid & 7u, s1);
     }
     hf_cp_async_commit();
-    // The warpgroups' hand-offs (below): mbarriers of 128 arrivals each.
+    // Warpgroup 1's four entries of local tile `i`: their slots (sl), then their copies.
+    const uint32_t u1 = tid - 128u, se1 = u1 >> 3, c81 = u1 & 7u;
+    int32_t sl[4];
+    auto fetch4 = [&](uint32_t i) {
+#pragma unroll
+        for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + i * ns, se1 + 16u * u);
+    };
+    auto stage4 = [&](uint32_t i, uint32_t kb) {
+#pragma unroll
+        for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + i * ns, kb, se1 + 16u * u, c81, sl[u]);
+    };
+    // The second tile, by warpgroup 1 into buffer 2 (its third cp.async group; empty past the list).
+    if (wg == 1u) {
+        if (nloc > 1u) {
+            fetch4(1u);
+            stage4(1u, 2u);
+        }
+        hf_cp_async_commit();
+    }
+    // The warpgroups' hand-offs (below): mbarriers of 128 arrivals each, KFREE's of 256.
     const uint32_t mbar = hf_smem_addr(red + 2u * HB);
+    const uint32_t BAR_KREADY = mbar, BAR_PFULL = mbar + 16u, BAR_KFREE = mbar + 32u, BAR_WG0 = mbar + 56u,
+                   BAR_QFREE = mbar + 64u;
     if (tid == 0u) {
 #pragma unroll
-        for (uint32_t i = 0; i < HF_WG_MBARS; ++i) hf_mbar_init(mbar + 8u * i, 128u);
+        for (uint32_t i = 0; i < HF_WG_MBARS; ++i) hf_mbar_init(mbar + 8u * i, i >= 4u && i < 7u ? 256u : 128u);
     }
-    hf_cp_async_wait<0>();
-    hf_fence_proxy_async();
-    __syncthreads();  // Q and the first tile visible; the mbarriers initialised
+    // Q landed (this thread's copies; the tiles' groups may still be in flight: warpgroup 0 loads
+    // Q into its registers while the first tile, three dependent loads behind (row pointers,
+    // slots, rows), still lands, and each warpgroup then waits for that tile in its branch).
+    if (wg == 0u) hf_cp_async_wait<1>(); else hf_cp_async_wait<2>();
+    __syncthreads();  // Q visible; the mbarriers initialised
 
     // O's columns: warpgroup 0 accumulates head_dim 0 .. DW0 - 1, warpgroup 1 the rest (each in
     // its own register array, declared in its branch: 64 x DW0 and 64 x (D - DW0) f32).
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
-    // Operand descriptors at k-step 0 of buffer 0: P (no swizzle) and this warpgroup's columns of
-    // V (the K tile read N-major, 128-byte swizzle: 64-column blocks ATOM bytes apart, 8-entry
-    // groups 1024); the K tile's (K-major) is warpgroup 0's, below.
+    // Operand descriptors at k-step 0 of K buffer 0: P (no swizzle) and this warpgroup's columns
+    // of V (the K tile read N-major, 128-byte swizzle: 64-column blocks ATOM bytes apart, 8-entry
+    // groups 1024); the K tile's (K-major) is warpgroup 0's, below. Buffer kb is kb·TB / 16 on.
     const uint64_t dp0 = hf_wgmma_desc(ps_a, 128u, NT * 16u),
-                   dv0 = hf_wgmma_desc_sw128(ks_a + (wg ? DW0 / 64u : 0u) * ATOM, ATOM, 1024u);
+                   dv0 = hf_wgmma_desc_sw128(qs_a + (wg ? DW0 / 64u : 0u) * ATOM, ATOM, 1024u);
 
     // The two warpgroups in turn. Warpgroup 0 scores each whole tile (S = Q · K^T, 32 wgmma
     // m64n64k16, Q from registers), keeps the row maxima and sums (a row's 64 entries sit in the
     // four lanes of a quad), writes P (bf16) and the rescale factors, then accumulates O's first
     // DW0 columns. Warpgroup 1 accumulates the rest of O from the same P and stages the tiles
-    // after the first. The
-    // hand-offs are mbarriers of 128 arrivals, a pair per signal by parity (so neither side runs
-    // two phases ahead on one): KREADY (a tile's copies landed: 1 arrives, 0 waits; pair index
-    // and phase from tile - 1), PFULL (P and factors written: 0 arrives, 1 waits), KFREE
-    // (warpgroup 0 done with a buffer: 0 arrives, 1 waits before staging into it), and WG0
-    // (warpgroup 0's own P written, before its P · V). A tile's pair is tile % 2 and its phase
-    // parity (tile / 2) % 2. P and the factors are double-buffered: warpgroup 0 rewrites those
-    // of tile it only after KREADY of tile it + 2, which warpgroup 1 gives after its P · V of it.
-    const uint32_t BAR_KREADY = mbar, BAR_PFULL = mbar + 16u, BAR_KFREE = mbar + 32u, BAR_WG0 = mbar + 48u;
+    // after the first two, two tiles ahead. The hand-offs are mbarriers, a pair per signal by
+    // parity (so neither side runs two phases ahead on one): KREADY (a tile's copies landed: 1
+    // arrives, 0 waits; pair index and phase from tile - 1), PFULL (P and factors written: 0
+    // arrives, 1 waits), KFREE (one per K buffer, 256 arrivals: both warpgroups done with the
+    // buffer's tile; 1 waits before staging tile + 3 into it; phase (tile / 3) % 2), QFREE (Q read
+    // into warpgroup 0's registers: buffer 0 free for tile 2) and WG0 (warpgroup 0's own P
+    // written, before its P · V). A tile's pair is tile % 2 and its phase parity (tile / 2) % 2.
+    // P and the factors are double-buffered: warpgroup 0 rewrites those of tile it only after
+    // KREADY of tile it + 2, which warpgroup 1 gives once its P · V of tile it completed.
     float* corr_s = red;  // [2][HB]: the rescale factors of the tile of each parity
     // The end of the row, which each warpgroup reaches in its own branch with its accumulators
     // (N per thread: O's columns dbase .. dbase + 2N - 1): finish_sums, then for an unsplit row
@@ -641,7 +681,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     // split row O published (hf_wg_store_f32 into `os`) and finish_combine. Their block barriers
     // are the unaligned form.
     float* ms = bias;                          // [HB] maxima (the validity flags are no longer read)
-    float* os = (float*)(hf_smem + QB);        // a split row's O in f32 (rows of OST floats over the K tiles and P)
+    float* os = (float*)(hf_smem + QB);        // a split row's O in f32 (rows of OST floats over K buffers 1, 2 and P)
     auto finish_sums = [&]() {
         hf_cp_async_wait<0>();
         // Sink and normalisation with warpgroup 0's running maxima and sums.
@@ -752,7 +792,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     } while (0)
     if (wg == 0u) {
         const float scale2 = scale * HF_WG_LOG2E;
-        const uint64_t dk0 = hf_wgmma_desc_sw128(ks_a, 16u, 1024u);
+        const uint64_t dk0 = hf_wgmma_desc_sw128(qs_a, 16u, 1024u);
         // Q as wgmma A fragments in registers for the whole row, k-step ks in qf[ks] (ldmatrix from
         // the swizzled Q tile: lane l reads row (l / 8 % 2)·8 + l % 8 of its warp's 16, columns
         // 16·ks + (l / 16)·8 ..): the scores then read only K from shared memory.
@@ -766,17 +806,22 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
                            qf[ks][1], qf[ks][2], qf[ks][3]);
             }
         }
+        hf_mbar_arrive(BAR_QFREE);  // buffer 0 (Q's) may take tile 2
+        // The first tile: this thread's copies, then every thread's (warpgroup 1 arrives).
+        hf_cp_async_wait<0>();
+        hf_fence_proxy_async();
+        hf_wg_named_sync(1u, 256u);
         float o[DW0 / 2u];  // 64 x DW0 f32 accumulators: O[:, 0 .. DW0 - 1]
 #pragma unroll
         for (uint32_t i = 0; i < DW0 / 2u; ++i) o[i] = 0.0f;
         for (uint32_t it = 0; it < nloc; ++it) {
-            const uint32_t b = it & 1u;
+            const uint32_t b = it & 1u, kb = (it + 1u) % 3u;
             if (it > 0u) hf_mbar_wait(BAR_KREADY + 8u * ((it - 1u) & 1u), ((it - 1u) >> 1) & 1u);
             // (1) S = Q · K^T over the tile's 64 entries, Q from registers. The K descriptor
             // advances by its start address (bytes / 16): 32 bytes per k-step within a 64-column
             // block (the swizzle applies to the final address), a block's bytes across.
             float s[32];
-            const uint64_t dk = dk0 + (uint64_t)(b * (TB >> 4));
+            const uint64_t dk = dk0 + (uint64_t)(kb * (TB >> 4));
             hf_wgmma_fence();
 #pragma unroll
             for (uint32_t ks = 0; ks < D / 16u; ++ks)
@@ -785,7 +830,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
             hf_wgmma_wait<0>();
 
             // (2) masked, scaled scores in base 2 (s·scale·log2 e + bias); row maxima; P in bf16.
-            const float* vb = bias + b * NT;
+            const float* vb = bias + kb * NT;
             float mx0 = NEG_INF, mx1 = NEG_INF;
 #pragma unroll
             for (uint32_t j = 0; j < 8u; ++j) {
@@ -843,51 +888,45 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
             hf_mbar_arrive(BAR_WG0);
             hf_mbar_wait(BAR_WG0, it & 1u);  // P of the whole warpgroup written
 
-            hf_wg_pv(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(b * (TB >> 4)));  // (3) O[:, 0 .. DW0 - 1] += P · V
-            if (it + 2u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * b);
+            // (3) O[:, 0 .. DW0 - 1] += P · V
+            hf_wg_pv(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(kb * (TB >> 4)));
+            if (it + 3u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * kb);
         }
         HF_WG_FINISH(o, 0u);
     } else {
-        const uint32_t u1 = tid - 128u, se = u1 >> 3, c8 = u1 & 7u;
-        // This thread's four entries of local tile `i`: their slots, then their copies.
-        int32_t sl[4];
-        auto fetch4 = [&](uint32_t i) {
-#pragma unroll
-            for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + i * ns, se + 16u * u);
-        };
-        auto stage4 = [&](uint32_t i, uint32_t b) {
-#pragma unroll
-            for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + i * ns, b, se + 16u * u, c8, sl[u]);
-        };
+        // The first tile: this thread's copies (its second group; the third, the second tile's,
+        // may still be in flight), then to warpgroup 0 on named barrier 1.
+        hf_cp_async_wait<1>();
+        hf_fence_proxy_async();
+        hf_wg_named_arrive(1u, 256u);
         float o[(D - DW0) / 2u];  // 64 x (D - DW0) f32 accumulators: O[:, DW0 .. D - 1]
 #pragma unroll
         for (uint32_t i = 0; i < (D - DW0) / 2u; ++i) o[i] = 0.0f;
-        if (nloc > 1u) {
-            fetch4(1u);
-            stage4(1u, 1u);
-        }
-        hf_cp_async_commit();
         if (nloc > 2u) fetch4(2u);
         for (uint32_t it = 0; it < nloc; ++it) {
-            const uint32_t b = it & 1u;
-            // P · V of tile it issued, then tile it + 1 (staged a tile ago) to warpgroup 0 once it
-            // landed: a tile whose copies are late holds back no P · V.
+            const uint32_t b = it & 1u, kb = (it + 1u) % 3u;
+            // Tile it + 2 into buffer it % 3 (tile it - 1's, or Q's for tile 2) once both
+            // warpgroups are done with what it holds; a group per iteration (empty past the list).
+            if (it + 2u < nloc) {
+                if (it == 0u) hf_mbar_wait(BAR_QFREE, 0u);
+                else hf_mbar_wait(BAR_KFREE + 8u * (it % 3u), ((it - 1u) / 3u) & 1u);
+                stage4(it + 2u, it % 3u);
+                if (it + 3u < nloc) fetch4(it + 3u);
+            }
+            hf_cp_async_commit();
+            // P · V of tile it issued, then tile it + 1 to warpgroup 0 once it landed: a tile whose
+            // copies are late holds back no P · V.
             hf_mbar_wait(BAR_PFULL + 8u * b, (it >> 1) & 1u);
             hf_wg_rescale(o, corr_s[b * HB + r0], corr_s[b * HB + r1]);
             // (3) O[:, DW0 .. D - 1] += P · V
-            hf_wg_pv<(D - DW0) / 2u, false>(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(b * (TB >> 4)));
+            hf_wg_pv<(D - DW0) / 2u, false>(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(kb * (TB >> 4)));
             if (it + 1u < nloc) {
-                hf_cp_async_wait<0>();
+                hf_cp_async_wait<1>();
                 hf_fence_proxy_async();
                 hf_mbar_arrive(BAR_KREADY + 8u * b);  // tile it + 1: pair it % 2, phase it / 2
             }
             hf_wgmma_wait<0>();
-            if (it + 2u < nloc) {  // tile it + 2 into buffer b once warpgroup 0 is done with it
-                hf_mbar_wait(BAR_KFREE + 8u * b, (it >> 1) & 1u);
-                stage4(it + 2u, b);
-                hf_cp_async_commit();
-                if (it + 3u < nloc) fetch4(it + 3u);
-            }
+            if (it + 3u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * kb);
         }
         HF_WG_FINISH(o, DW0);
 #undef HF_WG_FINISH
@@ -1115,16 +1154,17 @@ pub const WG_DEFAULT_SPLIT: usize = 2;
 /// Entries per warpgroup-kernel tile (`HF_WG_NT`).
 const WG_TILE: usize = 64;
 /// Dynamic shared memory of a warpgroup-kernel block, bytes: up to 1024 of padding (the layout
-/// starts 1024-aligned for the K tiles' swizzle), Q (`64 × 512` bf16), two K tiles (`64 × 512`
-/// bf16 each), two P tiles (`64 × 64` bf16 each), the tiles' validity flags (`2 × 64` f32), the
-/// per-head exchange (`2 × 64` f32) and seven 8-byte mbarriers: 215 096 bytes.
+/// starts 1024-aligned for the K tiles' swizzle), Q (`64 × 512` bf16, the third K buffer once
+/// read), two K tiles (`64 × 512` bf16 each), two P tiles (`64 × 64` bf16 each), the three K
+/// buffers' validity flags (`3 × 64` f32), the per-head exchange (`2 × 64` f32) and nine 8-byte
+/// mbarriers: 215 368 bytes.
 const WG_SHARED_BYTES: usize = 1024
     + WG_HEADS * WG_HEAD_DIM * 2
     + 2 * WG_TILE * WG_HEAD_DIM * 2
     + 2 * WG_HEADS * WG_TILE * 2
-    + 2 * WG_TILE * 4
+    + 3 * WG_TILE * 4
     + 2 * WG_HEADS * 4
-    + 7 * 8;
+    + 9 * 8;
 
 /// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, the tensor-core
 /// `hf_sparse_attn_mma{16,32,32s3}_d{64,128,256,512}_bf16` and the warpgroup

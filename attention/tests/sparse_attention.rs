@@ -195,10 +195,19 @@ fn attention_matches_its_f64_definition(dev: &Device) {
     matches_f64_with(dev, AttentionKernel::Auto.into());
 }
 
+/// Lists of up to 33 tiles of 64 entries at head_dim 512, so that the warpgroup kernel's three K
+/// buffers are each reused many times over (its hand-offs cycle through their phases).
+const LONG_CASES: [(usize, usize, usize, usize, usize, usize, usize); 2] =
+    [(4, 64, 512, 2400, 1500, 1200, 900), (2, 128, 512, 1800, 900, 1100, 500)];
+
 fn matches_f64_with(dev: &Device, choice: Pick) {
+    matches_f64_in(dev, choice, &CASES);
+}
+
+fn matches_f64_in(dev: &Device, choice: Pick, cases: &[(usize, usize, usize, usize, usize, usize, usize)]) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0x5EED);
-    for (rows, heads, d, s_main, s_extra, max_main, max_extra) in CASES {
+    for &(rows, heads, d, s_main, s_extra, max_main, max_extra) in cases {
         if (choice.0 == AttentionKernel::Warpgroup && d != WG_HEAD_DIM)
             || (choice.0 == AttentionKernel::TensorCore && !TENSOR_CORE_HEAD_DIMS.contains(&d))
         {
@@ -326,6 +335,7 @@ fn the_warpgroup_kernel_matches_f64_and_is_batch_invariant_where_the_device_has_
     for n in WG_SPLITS {
         let pick = Pick(AttentionKernel::Warpgroup, Some(n));
         matches_f64_with(dev, pick);
+        matches_f64_in(dev, pick, &LONG_CASES);
         row_alone_vs_batch(dev, 64, WG_HEAD_DIM, 160, 96, pick);
         replay_like_eager(dev, 64, WG_HEAD_DIM, 200, pick);
     }
