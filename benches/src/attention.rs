@@ -101,6 +101,9 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
             kernels.extend(others.map(|&n| (AttentionKernel::Warpgroup, Some(n))));
         }
         for (kernel, split) in kernels {
+            if !ctx.wants(&case_name(shape, kernel, split)) {
+                continue;
+            }
             let mut row = attend_case(ctx, shape, kernel, split)?
                 .with_bytes(shape.bytes())
                 .with_flops(shape.flops())
@@ -118,6 +121,17 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
         }
     }
     Ok(rows)
+}
+
+/// The case name of `sh` run with `kernel` at `split` (see [`attend_case`]).
+pub fn case_name(sh: AttnShape, kernel: AttentionKernel, split: Option<usize>) -> String {
+    match (kernel, split) {
+        (AttentionKernel::Auto, _) => sh.case(),
+        (AttentionKernel::TensorCore, _) => format!("{} mma", sh.case()),
+        (AttentionKernel::Warpgroup, Some(n)) => format!("{} wg/{n}", sh.case()),
+        (AttentionKernel::Warpgroup, None) => format!("{} wg", sh.case()),
+        (AttentionKernel::Portable, _) => format!("{} portable", sh.case()),
+    }
 }
 
 /// Builds the inputs of one shape and times `SparseAttention::attend` with `kernel` on them, its
@@ -154,12 +168,6 @@ pub fn attend_case(ctx: &Ctx, sh: AttnShape, kernel: AttentionKernel, split: Opt
     let ex = RaggedKv { cache: &cv, indices: &eiv, indptr: &epv };
     let scale = 1.0 / (d as f32).sqrt();
     let s = &ctx.s;
-    let case = match (kernel, split) {
-        (AttentionKernel::Auto, _) => sh.case(),
-        (AttentionKernel::TensorCore, _) => format!("{} mma", sh.case()),
-        (AttentionKernel::Warpgroup, Some(n)) => format!("{} wg/{n}", sh.case()),
-        (AttentionKernel::Warpgroup, None) => format!("{} wg", sh.case()),
-        (AttentionKernel::Portable, _) => format!("{} portable", sh.case()),
-    };
+    let case = case_name(sh, kernel, split);
     ctx.kernel_row(SECTION, case, &mut || Ok(k.attend(s, &qv, &main, Some(&ex), &sv, &ov, scale)?))
 }

@@ -29,6 +29,8 @@ pub struct Ctx {
     pub ceilings: Ceilings,
     /// Lines about skipped parts.
     pub notes: Vec<String>,
+    /// `--cases`: the rows to run, by a piece of their case name (all when empty).
+    pub cases: Vec<String>,
 }
 
 impl std::fmt::Debug for Ctx {
@@ -41,6 +43,12 @@ impl Ctx {
     /// Whether the device is a GPU (timings from events; targets apply).
     pub fn gpu(&self) -> bool {
         self.dev.backend() != BackendKind::Cpu
+    }
+
+    /// Whether the row of case `case` is to run: no `--cases` given, or `case` contains one of
+    /// them. Sections test it before setting a case up, so that a filtered run skips the work.
+    pub fn wants(&self, case: &str) -> bool {
+        self.cases.is_empty() || self.cases.iter().any(|c| case.contains(c.as_str()))
     }
 
     /// Whether `--quick` shapes are in use.

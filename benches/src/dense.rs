@@ -115,6 +115,9 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let s = &ctx.s;
     let mut rows = Vec::new();
     for sh in shapes {
+        if !ctx.wants(&sh.case()) {
+            continue;
+        }
         let g = sh.gemm;
         let (xv, wv) = (x.prefix(g.t * g.groups * g.k)?, w.prefix(g.groups * g.n * g.k)?);
         let out = g.t * g.groups * g.n;
@@ -134,6 +137,9 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let nw: Buffer<bf16> = ctx.filled("dense.norm_w", hdim, 0x3f)?;
     let nwv = nw.view();
     for t in tokens(ctx.scale) {
+        if !ctx.wants(&rms_case(t, hdim)) {
+            continue;
+        }
         let (xv, yv) = (x.prefix(t * hdim)?, y.prefix(t * hdim)?);
         let mut call = || -> Result<()> { Ok(dk.rms_norm(s, &xv, &nwv, &yv, t, hdim, 1e-6)?) };
         let row = ctx.kernel_row(SECTION, rms_case(t, hdim), &mut call)?;

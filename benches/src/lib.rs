@@ -119,6 +119,9 @@ pub struct Options {
     pub quick: bool,
     /// Sections to run (all when empty).
     pub only: Vec<Section>,
+    /// Only the rows whose case name contains one of these (all when empty); the copy ceiling,
+    /// which every fraction needs, always runs.
+    pub cases: Vec<String>,
     /// A `torch_report.py` JSON to merge.
     pub torch: Option<String>,
     /// Print progress lines on stderr.
@@ -144,6 +147,10 @@ struct Cli {
     /// Comma-separated sections: ceilings, hal, graph, metadata, attention, mhc, dense, decode.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    /// Comma-separated pieces of case names: only the rows whose case contains one of them run
+    /// (for example `--cases "h128_d512 swa128+512 B=64,T=16384"`); the copy ceiling always runs.
+    #[arg(long, value_delimiter = ',')]
+    cases: Vec<String>,
     /// Write the cases torch_report.py should run (same shapes and keys) to this file and exit.
     #[arg(long)]
     emit_plan: Option<PathBuf>,
@@ -194,7 +201,8 @@ pub fn main_with_args<I: IntoIterator<Item = String>>(args: I) -> i32 {
         }
     }
     let device = cli.device.or_else(|| std::env::var("HOLDFAST_DEVICE").ok()).unwrap_or_else(|| "cpu".into());
-    let opts = Options { device, quick: cli.quick, only, torch: cli.torch, verbose: !cli.quiet };
+    let cases = cli.cases.into_iter().filter(|c| !c.trim().is_empty()).collect();
+    let opts = Options { device, quick: cli.quick, only, cases, torch: cli.torch, verbose: !cli.quiet };
     let report = match run(&opts) {
         Ok(r) => r,
         Err(e @ ReportError::Usage(_)) => {
@@ -295,7 +303,11 @@ pub fn run(opts: &Options) -> Result<Report> {
     }
     let s = dev.create_stream()?;
     let clock = timing::Clock::new(&dev, effort)?;
-    let mut ctx = Ctx { dev, s, clock, scale, ceilings: Ceilings::default(), notes: Vec::new() };
+    let mut ctx =
+        Ctx { dev, s, clock, scale, ceilings: Ceilings::default(), notes: Vec::new(), cases: opts.cases.clone() };
+    if !opts.cases.is_empty() {
+        ctx.note(format!("rows limited to the cases containing one of: {}", opts.cases.join(" | ")));
+    }
     let mut rows = Vec::new();
     let mut failed = Vec::new();
     let progress = |what: &str, t: Instant, n: usize| {
@@ -343,7 +355,9 @@ pub fn run(opts: &Options) -> Result<Report> {
             let _ = ctx.s.abort_capture();
         }
         match res {
-            Ok(r) => {
+            Ok(mut r) => {
+                // Sections that cannot tell a row's case before measuring it drop it here.
+                r.retain(|row| ctx.wants(&row.case));
                 progress(sec.name(), t, r.len());
                 rows.extend(r);
             }
@@ -352,6 +366,9 @@ pub fn run(opts: &Options) -> Result<Report> {
                 failed.push(sec.name().to_string());
             }
         }
+    }
+    if !opts.cases.is_empty() && rows.iter().all(|r| r.section == ceilings::SECTION) {
+        ctx.note(format!("no row of sections {} has a case containing one of the --cases", report.sections.join(",")));
     }
     report.ceilings = ctx.ceilings;
     report.rows = rows;

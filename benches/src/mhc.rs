@@ -75,7 +75,10 @@ fn launches(ops: &MhcOps, op: MhcOp, t: usize) -> String {
 pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for (h, ts) in shapes(ctx.scale) {
-        rows.extend(run_hidden(ctx, h, &ts)?);
+        // A hidden size none of whose cases is wanted allocates nothing.
+        if MhcOp::ALL.iter().any(|&op| ts.iter().any(|&t| ctx.wants(&case(op, h, t)))) {
+            rows.extend(run_hidden(ctx, h, &ts)?);
+        }
     }
     Ok(rows)
 }
@@ -103,6 +106,9 @@ fn run_hidden(ctx: &mut Ctx, h: usize, ts: &[usize]) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     for op in MhcOp::ALL {
         for &t in ts {
+            if !ctx.wants(&case(op, h, t)) {
+                continue;
+            }
             let r = residual.prefix(t * d)?;
             let row = out_row.prefix(t * h)?;
             let (po, co) = (post_out.prefix(t * N)?, comb_out.prefix(t * N * N)?);

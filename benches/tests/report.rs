@@ -8,6 +8,7 @@ fn quick_cpu_report_has_finite_positive_times() {
         device: "cpu".into(),
         quick: true,
         only: vec![Section::Hal, Section::Mhc],
+        cases: Vec::new(),
         torch: None,
         verbose: false,
     };
@@ -33,6 +34,33 @@ fn quick_cpu_report_has_finite_positive_times() {
         assert!(r["gbps"].as_f64().is_some_and(|g| g.is_finite() && g > 0.0), "{r}");
     }
     assert!(report.table().lines().count() >= rows.len() + 2);
+}
+
+/// `--cases` runs only the rows whose case contains one of its pieces (the copy ceiling always),
+/// and says so; a piece no row matches leaves a note instead of a silent empty report.
+#[test]
+fn cases_limit_the_rows_and_an_unmatched_case_is_noted() {
+    let opts = |cases: &[&str]| Options {
+        device: "cpu".into(),
+        quick: true,
+        only: vec![Section::Attention, Section::Mhc],
+        cases: cases.iter().map(|c| c.to_string()).collect(),
+        torch: None,
+        verbose: false,
+    };
+    let report = run(&opts(&["T=8", "B=4"])).unwrap_or_else(|e| panic!("report: {e}"));
+    assert!(report.failed.is_empty(), "{:?}", report.notes);
+    let rows: Vec<_> = report.rows.iter().filter(|r| r.section != "ceilings").collect();
+    assert!(rows.iter().any(|r| r.section == "mhc") && rows.iter().any(|r| r.section == "attention"), "{rows:?}");
+    for r in &rows {
+        assert!(r.case.contains("T=8") || r.case.contains("B=4"), "{}/{} ran", r.section, r.case);
+    }
+    assert!(report.rows.iter().any(|r| r.section == "ceilings"), "the copy ceiling always runs");
+    assert!(report.notes.iter().any(|n| n.contains("rows limited") && n.contains("T=8 | B=4")), "{:?}", report.notes);
+
+    let report = run(&opts(&["no such case"])).unwrap_or_else(|e| panic!("report: {e}"));
+    assert!(report.rows.iter().all(|r| r.section == "ceilings"), "{:?}", report.rows);
+    assert!(report.notes.iter().any(|n| n.contains("no row of sections attention,mhc")), "{:?}", report.notes);
 }
 
 #[test]
