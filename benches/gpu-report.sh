@@ -29,11 +29,14 @@ fi
 
 quick=()
 only=""
+cases=""
 prev=""
 for a in "$@"; do
     [[ "$a" == "--quick" ]] && quick=(--quick)
     [[ "$prev" == "--only" ]] && only="$a"
     [[ "$a" == --only=* ]] && only="${a#--only=}"
+    [[ "$prev" == "--cases" ]] && cases="$a"
+    [[ "$a" == --cases=* ]] && cases="${a#--cases=}"
     prev="$a"
 done
 "$bin" ${quick[@]+"${quick[@]}"} --emit-plan "$out/plan.json"
@@ -41,7 +44,7 @@ done
 torch_args=()
 if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
     if python3 "$root/benches/torch_report.py" --plan "$out/plan.json" --out "$out/torch.json" \
-        --device "$device" --only "$only"; then
+        --device "$device" --only "$only" --cases "$cases"; then
         torch_args=(--torch "$out/torch.json")
     else
         echo "torch: torch_report.py failed; the report has no torch columns" >&2

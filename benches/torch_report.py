@@ -249,12 +249,33 @@ CASES = {
 }
 
 
+def selected(key, only, cases):
+    """Whether the case `key` ("section/case") runs: its section is in `only` (or `only` is empty)
+    and its case contains one of `cases` (or `cases` is empty; the copy ceiling always runs), as
+    `gpu-report --only ... --cases ...` selects its rows.
+
+    >>> selected("attention/h128_d512 swa128+512 B=64", ["attention"], ["B=64"])
+    True
+    >>> selected("attention/h128_d512 swa128+512 B=8", [], ["B=64"])
+    False
+    >>> selected("ceilings/copy 1024 MiB d2d", ["attention"], ["B=64"])
+    False
+    >>> selected("ceilings/copy 1024 MiB d2d", [], ["B=64"])
+    True
+    """
+    section, _, case = key.partition("/")
+    if only and section not in only:
+        return False
+    return not cases or section == "ceilings" or any(p in case for p in cases)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--plan", required=True, help="the JSON written by `gpu-report --emit-plan PATH`")
     ap.add_argument("--out", default="torch-report.json", help="where to write the timings")
     ap.add_argument("--device", default="cuda:0", help="the CUDA device (default cuda:0)")
     ap.add_argument("--only", default="", help="comma-separated sections (key prefixes) to run")
+    ap.add_argument("--cases", default="", help="comma-separated pieces of case names: only the cases containing one run")
     args = ap.parse_args()
     if torch is None:
         print("error: PyTorch is not installed", file=sys.stderr)
@@ -271,6 +292,7 @@ def main():
         print(f"error: --plan {args.plan}: {e}", file=sys.stderr)
         return 2
     only = [s for s in args.only.split(",") if s]
+    cases = [s for s in args.cases.split(",") if s.strip()]
     out = {
         "device": torch.cuda.get_device_name(dev),
         "torch": torch.__version__,
@@ -281,7 +303,7 @@ def main():
     }
     for c in plan.get("cases", []):
         key = c["key"]
-        if only and key.split("/", 1)[0] not in only:
+        if not selected(key, only, cases):
             continue
         make = CASES.get(c["op"])
         if make is None:
