@@ -175,10 +175,13 @@ fn run(k: &SparseAttention, s: &Stream, b: &Dev, rows: usize, cells: usize, scal
     .expect("attend");
 }
 
-/// (rows, heads, head_dim, main slots, extra slots, longest main list, longest extra list): one
-/// entry to many 32-entry tiles, head counts that leave a partial head group, every
+/// A case of the f64 comparison: (rows, heads, head_dim, main slots, extra slots, longest main
+/// list, longest extra list).
+type CaseSpec = (usize, usize, usize, usize, usize, usize, usize);
+
+/// One entry to many 32-entry tiles, head counts that leave a partial head group, every
 /// tensor-core head_dim and one the portable kernel alone serves (192).
-const CASES: [(usize, usize, usize, usize, usize, usize, usize); 10] = [
+const CASES: [CaseSpec; 10] = [
     (1, 1, 64, 40, 10, 16, 8),
     (7, 13, 64, 300, 64, 128, 40),
     (16, 8, 512, 256, 64, 128, 64),
@@ -197,14 +200,13 @@ fn attention_matches_its_f64_definition(dev: &Device) {
 
 /// Lists of up to 33 tiles of 64 entries at head_dim 512, so that the warpgroup kernel's three K
 /// buffers are each reused many times over (its hand-offs cycle through their phases).
-const LONG_CASES: [(usize, usize, usize, usize, usize, usize, usize); 2] =
-    [(4, 64, 512, 2400, 1500, 1200, 900), (2, 128, 512, 1800, 900, 1100, 500)];
+const LONG_CASES: [CaseSpec; 2] = [(4, 64, 512, 2400, 1500, 1200, 900), (2, 128, 512, 1800, 900, 1100, 500)];
 
 fn matches_f64_with(dev: &Device, choice: Pick) {
     matches_f64_in(dev, choice, &CASES);
 }
 
-fn matches_f64_in(dev: &Device, choice: Pick, cases: &[(usize, usize, usize, usize, usize, usize, usize)]) {
+fn matches_f64_in(dev: &Device, choice: Pick, cases: &[CaseSpec]) {
     let s = dev.create_stream().expect("stream");
     let mut rng = Rng(0x5EED);
     for &(rows, heads, d, s_main, s_extra, max_main, max_extra) in cases {
