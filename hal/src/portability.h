@@ -301,6 +301,26 @@ __device__ __forceinline__ void hf_mma_bf16(float* c, const uint32_t* a, uint32_
 }
 #endif
 
+#if defined(HF_CUDA) && defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
+// Shared-memory barriers (mbarrier, sm_90): an 8-byte object at shared address `a` whose phase
+// completes when `count` arrivals came (hf_mbar_init by one thread, then a block barrier before
+// use). hf_mbar_arrive releases the arriving thread's earlier writes; hf_mbar_wait(a, parity)
+// waits until the phase of that parity (0 for the first completion, then 1, 0, ..) completed and
+// acquires them.
+__device__ __forceinline__ void hf_mbar_init(uint32_t a, uint32_t count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count) : "memory");
+}
+__device__ __forceinline__ void hf_mbar_arrive(uint32_t a) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
+}
+__device__ __forceinline__ void hf_mbar_wait(uint32_t a, uint32_t parity) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tHF_MBAR_WAIT:\n\t"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%0], %1;\n\t"
+        "@!p bra HF_MBAR_WAIT;\n\t}" ::"r"(a), "r"(parity) : "memory");
+}
+#endif
+
 // Warpgroup MMA (NVIDIA sm_90a, HF_HAS_WGMMA: the device's architecture-specific target, which the
 // HAL compiles for on sm_90): 128 threads (a warpgroup, four consecutive warps) multiply a 64-row A
 // by an N-column B from shared-memory descriptors into f32 accumulators held across the warpgroup.
@@ -326,23 +346,6 @@ __device__ __forceinline__ uint64_t hf_wgmma_desc(uint32_t smem_addr, uint32_t l
 // step between 64-element column blocks, `sbo` between 8-row groups along K.
 __device__ __forceinline__ uint64_t hf_wgmma_desc_sw128(uint32_t smem_addr, uint32_t lbo, uint32_t sbo) {
     return hf_wgmma_desc(smem_addr, lbo, sbo) | (1ull << 62);
-}
-// Shared-memory barriers (mbarrier, sm_90): an 8-byte object at shared address `a` whose phase
-// completes when `count` arrivals came (hf_mbar_init by one thread, then a block barrier before
-// use). hf_mbar_arrive releases the arriving thread's earlier writes; hf_mbar_wait(a, parity)
-// waits until the phase of that parity (0 for the first completion, then 1, 0, ..) completed and
-// acquires them.
-__device__ __forceinline__ void hf_mbar_init(uint32_t a, uint32_t count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(a), "r"(count) : "memory");
-}
-__device__ __forceinline__ void hf_mbar_arrive(uint32_t a) {
-    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(a) : "memory");
-}
-__device__ __forceinline__ void hf_mbar_wait(uint32_t a, uint32_t parity) {
-    asm volatile(
-        "{\n\t.reg .pred p;\n\tHF_MBAR_WAIT:\n\t"
-        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%0], %1;\n\t"
-        "@!p bra HF_MBAR_WAIT;\n\t}" ::"r"(a), "r"(parity) : "memory");
 }
 __device__ __forceinline__ void hf_wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void hf_wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -464,6 +467,35 @@ __device__ __forceinline__ uint32_t hf_cluster_map(const void* p, uint32_t rank)
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(hf_smem_addr(p)), "r"(rank));
     return remote;
+}
+// Shared-memory barriers that other blocks of the cluster complete (sm_90): after
+// hf_mbar_init, hf_mbar_fence_init_cluster makes the initialisation visible to the cluster's
+// asynchronous stores (then a cluster barrier before any block stores into this one).
+// hf_mbar_arrive_expect_tx arrives once and expects `bytes` more of asynchronous stores in the
+// current phase; hf_mbar_wait_cluster waits for the phase of that parity and acquires what the
+// cluster's stores that completed it wrote.
+__device__ __forceinline__ void hf_mbar_fence_init_cluster() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void hf_mbar_arrive_expect_tx(uint32_t a, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(a), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void hf_mbar_wait_cluster(uint32_t a, uint32_t parity) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n\tHF_MBAR_WAIT_CL:\n\t"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n\t"
+        "@!p bra HF_MBAR_WAIT_CL;\n\t}" ::"r"(a), "r"(parity) : "memory");
+}
+// Stores four f32 at 16-byte-aligned shared-memory pointer p (of this block's shared memory) in
+// block `rank` of the cluster, completing 16 bytes of the current phase of that block's barrier
+// at `bar` (the same offset as this block's): no wait, and the barrier's waiters see the values.
+__device__ __forceinline__ void hf_cluster_store_async_f32x4(float* p, uint32_t rank, float4 v, const void* bar) {
+    const uint32_t remote = hf_cluster_map(p, rank), remote_bar = hf_cluster_map(bar, rank);
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];" ::"r"(
+                     remote),
+                 "r"(__float_as_uint(v.x)), "r"(__float_as_uint(v.y)), "r"(__float_as_uint(v.z)),
+                 "r"(__float_as_uint(v.w)), "r"(remote_bar)
+                 : "memory");
 }
 // The f32 at shared-memory pointer p (of this block's shared memory) in block `rank` of the cluster.
 __device__ __forceinline__ float hf_cluster_load_f32(const float* p, uint32_t rank) {

@@ -1403,18 +1403,18 @@ HF_KERNEL void __launch_bounds__(MHC_POST_THREADS) mhc_post_n4(
 //      per thread and token, then sums them over the block: butterflies within each warp (the 32 dots of the tile's 8 tokens
 //      × 4 gates; the 8 Σx², then across the lane groups; every value of a butterfly takes the same
 //      tree over the lanes) and the warps in order;
-//   2. after a cluster barrier, sums the cluster's nb block partials in rank order (distributed
-//      shared memory, eight reads in flight at a time; the same bits in every block) and forms
-//      the gates (mhc_stream_gate; warp 0);
+//      Those 40 values go out to every block of the cluster (st.async into the tile's slot of
+//      their inboxes, completing bytes on that slot's mbarrier): no block waits on a cluster
+//      barrier, and the values are in each block's own shared memory when it needs them;
+//   2. once its slot's mbarrier completed, sums the cluster's nb block partials in rank order
+//      (the same bits in every block) and forms the gates (mhc_stream_gate; warp 0);
 //   3. writes its slice of the tile's outputs, Σ_i g_i x_i in stream order (as the reference).
 // The tiles go through a pipeline of MHC_CL_BUFS row buffers and partial slots: while warp 0
 // forms tile k's gates, the other warps form their partials of tile k + 1 (copied a tile ahead,
-// cp.async), and the copies of tile k + 2 are in flight. The cluster barrier is split (arrive
-// after a tile's partials are written and the last tile's were read, wait before its gates: warp
-// 0 first, the others after their partials) and its release covers shared memory only, so it
-// never waits for output stores or copies in flight.
-// A token's arithmetic depends on neither T nor its place in a tile: batch-invariant. A last
-// barrier keeps every block's shared memory alive until the cluster's reads are done.
+// cp.async), and the copies of tile k + 2 are in flight.
+// A token's arithmetic depends on neither T nor its place in a tile: batch-invariant. One
+// cluster barrier after the slots' barriers are initialised (before any store into them) and
+// one at the end (no block leaves while stores into it may be in flight).
 #define MHC_CL_TILE 8
 #define MHC_CL_BUFS 3  // tile buffers (and partial slots) in the pipeline
 static_assert(MHC_CL_BUFS == 3, "the loop's buffer rotation and its copies two tiles ahead assume three");
@@ -1422,6 +1422,8 @@ static_assert(MHC_CL_BUFS == 3, "the loop's buffer rotation and its copies two t
 #define MHC_CL_DOTS (MHC_CL_TILE * MHC_N)        // a tile's dots: value k·4 + g
 #define MHC_CL_VALUES (MHC_CL_DOTS + MHC_CL_TILE)  // then its Σx², value 32 + k
 static_assert(MHC_CL_DOTS == 32, "one butterfly reduces the tile's dots, one value per lane");
+static_assert(MHC_CL_VALUES % 4 == 0, "a tile's partials go out in 16-byte stores");
+#define MHC_CL_MAX_BLOCKS 16  // blocks per cluster at most (NVIDIA's non-portable size)
 #define MHC_CL_ITEMS 2  // output items a thread: 8 tokens × at most 64 chunks of 8 h
 static_assert(MHC_CL_ITEMS * MHC_CL_THREADS >= MHC_CL_TILE * 64, "two output items a thread cover a tile");
 
@@ -1457,13 +1459,18 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     // Dynamic: MHC_CL_BUFS tile buffers [MHC_CL_TILE][4][Hs] bf16.
     extern __shared__ __align__(16) unsigned char mhc_cl_smem[];
     __shared__ float red[MHC_CL_THREADS / 32][MHC_CL_VALUES];
-    __shared__ float part[MHC_CL_BUFS][MHC_CL_VALUES];
+    // Every block's partials of a tile, pushed by their owners: inbox[slot][rank], completing
+    // `full[slot]` (one local arrival and nb · MHC_CL_VALUES floats of stores per phase).
+    __shared__ __align__(16) float inbox[MHC_CL_BUFS][MHC_CL_MAX_BLOCKS][MHC_CL_VALUES];
+    __shared__ __align__(8) uint64_t full[MHC_CL_BUFS];
     __shared__ __align__(16) float gate[MHC_CL_TILE][MHC_N];  // read a token's four at once
     const uint32_t tid = threadIdx.x, lane = tid % 32u, warp = tid / 32u;
     const uint32_t rank = hf_cluster_rank();
     const uint32_t nb = hf_cluster_blocks(), Hs = H / nb, cols = Hs / 8u, chunks = MHC_N * cols;
     const uint32_t h_lo = rank * Hs;
     const uint64_t D = (uint64_t)MHC_N * H;
+    if (nb > MHC_CL_MAX_BLOCKS) __trap();  // never: the host launches clusters of 8 or 16
+    const uint32_t full_a = hf_smem_addr(&full[0]), push_bytes = nb * MHC_CL_VALUES * (uint32_t)sizeof(float);
     hf_bf16* tiles_rows = reinterpret_cast<hf_bf16*>(mhc_cl_smem);
     const uint32_t tile_elems = MHC_CL_TILE * MHC_N * Hs;
     const uint32_t tiles = (T + MHC_CL_TILE - 1u) / MHC_CL_TILE;
@@ -1566,31 +1573,33 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         red[warp][lane] = dots[0];
         if (lane < MHC_CL_TILE) red[warp][MHC_CL_DOTS + lane] = ss[0];
     };
-    // ... then, after a block barrier, their sums over the warps in order into part[b].
-    auto publish = [&](uint32_t b) {
-        if (tid < MHC_CL_VALUES) {
-            float s = red[0][tid];
+    // ... then, after a block barrier, their sums over the warps in order, pushed into slot b of
+    //    every block's inbox: thread q + 10·r sums values 4q .. 4q + 3 and stores them in block r.
+    auto push = [&](uint32_t b) {
+        if (tid < (MHC_CL_VALUES / 4u) * nb) {
+            const uint32_t q = tid % (MHC_CL_VALUES / 4u), r = tid / (MHC_CL_VALUES / 4u);
+            float4 v = *reinterpret_cast<const float4*>(&red[0][4u * q]);
 #pragma unroll
-            for (uint32_t w = 1; w < MHC_CL_THREADS / 32u; ++w) s += red[w][tid];
-            part[b][tid] = s;
+            for (uint32_t w = 1; w < MHC_CL_THREADS / 32u; ++w) {
+                const float4 u = *reinterpret_cast<const float4*>(&red[w][4u * q]);
+                v.x += u.x, v.y += u.y, v.z += u.z, v.w += u.w;
+            }
+            hf_cluster_store_async_f32x4(&inbox[b][rank][4u * q], r, v, &full[b]);
         }
     };
-    // 2. Warp 0: the tile's gates from every block's part[b], summed in rank order (eight ranks'
-    //    reads in flight at a time; the same bits in every block), lane k·4 + i gate i of token k.
-    auto gates = [&](uint32_t b) {
+    // 2. Warp 0: the tile's gates from every block's partials in slot b, summed in rank order (the
+    //    same bits in every block), lane k·4 + i gate i of token k; then slot b is armed for the
+    //    tile MHC_CL_BUFS on, whose partials no block pushes before this block pushed its next.
+    auto gates = [&](uint32_t b, uint32_t parity) {
+        hf_mbar_wait_cluster(full_a + 8u * b, parity);
         const uint32_t k = lane / MHC_N, i = lane % MHC_N;
         float sum_sq = 0.0f, dot = 0.0f;
-        for (uint32_t r0 = 0; r0 < nb; r0 += 8u) {
-            float sq[8], dt[8];
-#pragma unroll
-            for (uint32_t r = 0; r < 8u; ++r) {
-                sq[r] = hf_cluster_load_f32(&part[b][MHC_CL_DOTS + k], r0 + r);
-                dt[r] = hf_cluster_load_f32(&part[b][lane], r0 + r);
-            }
-#pragma unroll
-            for (uint32_t r = 0; r < 8u; ++r) sum_sq += sq[r], dot += dt[r];
+        for (uint32_t r = 0; r < nb; ++r) {
+            sum_sq += inbox[b][r][MHC_CL_DOTS + k];
+            dot += inbox[b][r][lane];
         }
         gate[k][i] = mhc_stream_gate(sum_sq, dot, H, gate_scale, gate_base, rms_eps, hc_eps);
+        if (lane == 0u) hf_mbar_arrive_expect_tx(full_a + 8u * b, push_bytes);
     };
     // The thread's output items w = tid + MHC_CL_THREADS j (token k = w / cols, chunk c = w % cols
     // of each stream: at most two, 8 cols <= 512) are the same in every tile: their token (past
@@ -1658,6 +1667,17 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     // tile behind the gates would need a fourth row buffer (one block a multiprocessor).
     const uint32_t first = blockIdx.x / nb;
     if (first >= tiles) return;  // never: the grid holds at most one cluster per tile
+    // The slots' barriers, armed for their first tiles and visible to the cluster's stores before
+    // any block pushes (the cluster barrier below).
+    if (tid == 0u) {
+#pragma unroll
+        for (uint32_t i = 0; i < MHC_CL_BUFS; ++i) {
+            hf_mbar_init(full_a + 8u * i, 1u);
+            hf_mbar_arrive_expect_tx(full_a + 8u * i, push_bytes);
+        }
+        hf_mbar_fence_init_cluster();
+    }
+    hf_cluster_arrive_shared();
     fetch(first, 0u);
     if (first + clusters < tiles)
         fetch(first + clusters, 1u);
@@ -1665,11 +1685,11 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         hf_cp_async_commit();
     hf_cp_async_wait<1>();  // the first tile (this thread's copies: all that `partials` reads)
     partials(0u);
-    __syncthreads();
-    publish(0u);
-    hf_cluster_arrive_shared();
-    uint32_t b = 0u;
-    for (uint32_t tile = first; tile < tiles; tile += clusters) {
+    __syncthreads();    // every warp's partials in `red`
+    hf_cluster_wait();  // every block's barriers initialised
+    push(0u);
+    uint32_t b = 0u, j = 0u;
+    for (uint32_t tile = first; tile < tiles; tile += clusters, ++j) {
         const bool more = tile + clusters < tiles;
         const uint32_t b1 = b + 1u == MHC_CL_BUFS ? 0u : b + 1u, b2 = b1 + 1u == MHC_CL_BUFS ? 0u : b1 + 1u;
         __syncthreads();  // the last tile's outputs are done with buffer b2 and `gate`; `red` is free
@@ -1677,26 +1697,18 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
             fetch(tile + 2u * clusters, b2);
         else
             hf_cp_async_commit();  // an empty group: the wait below always leaves one group
-        if (warp == 0u) {
-            hf_cluster_wait();  // every block's partials of this tile
-            gates(b);
-        }
+        if (warp == 0u) gates(b, (j / MHC_CL_BUFS) & 1u);  // every block's partials of this tile
         if (more) {
             hf_cp_async_wait<1>();  // this thread's copies of the next tile have landed
             partials(b1);
         }
-        if (warp != 0u) hf_cluster_wait();
-        __syncthreads();  // gates and `red` ready; warp 0's reads of the partials are done
-        // The next tile's partials to the cluster. Each thread that writes part[b1] releases its
-        // own writes by its arrival. The arrival's release covers shared::cta accesses only, not
-        // warp 0's remote reads of part[b] in `gates`: what keeps a block from rewriting part[b]
-        // (three tiles on, after its next wait) while they are in flight is that their values
-        // were stored (`gate`) before the block barrier above, so they have completed before
-        // this arrival.
-        if (more) {
-            publish(b1);
-            hf_cluster_arrive_shared();
-        }
+        __syncthreads();  // gates and `red` ready; warp 0's reads of slot b are done
+        // The next tile's partials to the cluster. A block pushes tile j + 1 after its gates of
+        // tile j, which waited for every block's push of tile j, which each block made after its
+        // gates of tile j - 1 and thus after reading slot (j + 1) % 3 for tile j - 2 and arming
+        // it again: no push overwrites partials still to be read or reaches an unarmed phase.
+        // The stores' completion releases at cluster scope what the pushing block did before.
+        if (more) push(b1);
         outputs(tile, b);
         b = b1;
     }

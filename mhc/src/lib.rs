@@ -96,13 +96,14 @@
 //!   past it, a multiple of 128: no block owns more than 512 `h`), block `r` owning `h` in
 //!   `[r·H/nb, (r+1)·H/nb)` of every stream, each thread one 16-byte chunk of it (stream, 8 `h`)
 //!   with that chunk's `fn` weights in registers for the whole launch. Clusters take tiles of 8
-//!   tokens in turn; per tile each block sums its partial Σx² and dots over the block (butterflies per warp, then the warps in order), exchanges them
-//!   through distributed shared memory after a cluster barrier (summed in rank order, the same
-//!   bits in every block) and writes its slice of the outputs: the residual is read from memory
-//!   once. The tiles are pipelined over three row buffers: while a tile's cluster barrier
-//!   completes (split into arrive and wait, its release covering shared memory only) and one warp
-//!   forms its gates, the block's other warps form their partials of the next tile, and the rows
-//!   of the one after are copied (`cp.async`). A token's reduction order depends on `H` alone (the cluster size is a function
+//!   tokens in turn; per tile each block sums its partial Σx² and dots over the block (butterflies
+//!   per warp, then the warps in order), pushes them into every block's shared memory
+//!   (`st.async`, completing bytes on the tile slot's mbarrier there: no cluster barrier per
+//!   tile), sums the cluster's partials in rank order once they are all in (the same bits in
+//!   every block) and writes its slice of the outputs: the residual is read from memory once. The
+//!   tiles are pipelined over three row buffers and partial slots: while one warp waits for a
+//!   tile's partials and forms its gates, the block's other warps form their partials of the
+//!   next tile, and the rows of the one after are copied (`cp.async`). A token's reduction order depends on `H` alone (the cluster size is a function
 //!   of `H`). Grid: the clusters the device runs at once (`Device::max_active_clusters`), at most
 //!   one per tile. Shared memory `192·H/nb` bytes per block.
 //! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.

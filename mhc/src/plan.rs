@@ -403,9 +403,9 @@ pub(crate) fn cluster_blocks(hidden: usize) -> usize {
 const CLUSTER_TILE: usize = 8;
 /// Threads per block of `hc_head` on clusters (`MHC_CL_THREADS`).
 const CLUSTER_THREADS: u32 = 256;
-/// Static shared memory of `hc_head` on clusters, bytes (`red`, `part`, `gate`: 1.9 KiB), with
-/// room to spare.
-const CLUSTER_STATIC_BYTES: u32 = 2048;
+/// Static shared memory of `hc_head` on clusters, bytes (`red`, `inbox`, `full`, `gate`: 8.9
+/// KiB), with room to spare.
+const CLUSTER_STATIC_BYTES: u32 = 9216;
 
 /// Dynamic shared memory of a block of `hc_head` on clusters for hidden size `hidden`, bytes: three
 /// tiles' rows (`3 · 8 · 4 · Hs` bf16, `Hs = H / cluster_blocks(H)`), `192 · Hs` (the `fn` slice
