@@ -65,5 +65,8 @@ fn static_shared_memory_is_within_the_plans_allowance(cubin: &[u8]) {
     }
     // `hc_head` on clusters: within `CLUSTER_STATIC_BYTES` of `src/plan.rs`.
     let own = size("mhc_hc_head_cluster_n4").saturating_sub(reserved);
-    assert!(own <= 9216, "mhc_hc_head_cluster_n4 declares {own} bytes of static shared memory, more than the plan allows");
+    assert!(
+        own <= 9216,
+        "mhc_hc_head_cluster_n4 declares {own} bytes of static shared memory, more than the plan allows"
+    );
 }
