@@ -1458,7 +1458,7 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
 #if defined(HF_HAS_CLUSTERS)
     // Dynamic: MHC_CL_BUFS tile buffers [MHC_CL_TILE][4][Hs] bf16.
     extern __shared__ __align__(16) unsigned char mhc_cl_smem[];
-    __shared__ float red[MHC_CL_THREADS / 32][MHC_CL_VALUES];
+    __shared__ __align__(16) float red[MHC_CL_THREADS / 32][MHC_CL_VALUES];  // read 16 bytes at a time
     // Every block's partials of a tile, pushed by their owners: inbox[slot][rank], completing
     // `full[slot]` (one local arrival and nb · MHC_CL_VALUES floats of stores per phase).
     __shared__ __align__(16) float inbox[MHC_CL_BUFS][MHC_CL_MAX_BLOCKS][MHC_CL_VALUES];
@@ -1655,16 +1655,15 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         }
     };
     // The pipeline: tile k's buffer (and partial slot) is k % MHC_CL_BUFS; tile k + 2 is copied
-    // while the block works on tiles k and k + 1. Warp 0 waits for tile k's cluster barrier first
-    // and forms its gates while the other warps form their partials of tile k + 1 (copied a tile
-    // ahead); then warp 0 forms its partials and the other warps wait for the barrier (a thread
-    // need only alternate arrive and wait; only warp 0 reads other blocks' memory). One block
-    // barrier then covers the gates and `red`. The gates' latency (remote reads, then a division,
-    // square root, exponential and reciprocals in one dependent chain) thus overlaps the other
-    // warps' partials instead of holding seven warps at a block barrier of its own. Gates in every
-    // warp would hold each warp on the same chain and issue it eight times; a ninth (gate) warp
-    // leaves 96 registers a thread for two blocks a multiprocessor (ptxas spills), and outputs a
-    // tile behind the gates would need a fourth row buffer (one block a multiprocessor).
+    // while the block works on tiles k and k + 1. Warp 0 waits for tile k's partials (its slot's
+    // mbarrier) and forms its gates while the other warps form their partials of tile k + 1
+    // (copied a tile ahead); then warp 0 forms its partials. One block barrier then covers the
+    // gates and `red`. The gates' latency (the wait, then a division, square root, exponential
+    // and reciprocals in one dependent chain) thus overlaps the other warps' partials instead of
+    // holding seven warps at a block barrier of its own. Gates in every warp would hold each warp
+    // on the same chain and issue it eight times; a ninth (gate) warp leaves 96 registers a thread
+    // for two blocks a multiprocessor (ptxas spills), and outputs a tile behind the gates would
+    // need a fourth row buffer (one block a multiprocessor).
     const uint32_t first = blockIdx.x / nb;
     if (first >= tiles) return;  // never: the grid holds at most one cluster per tile
     // The slots' barriers, armed for their first tiles and visible to the cluster's stores before
@@ -1713,6 +1712,6 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         b = b1;
     }
     hf_cp_async_wait_all();  // the last (empty) groups: no copy outlives the block
-    hf_cluster_sync();  // no block leaves while the cluster may still read its partials
+    hf_cluster_sync();  // no block leaves before every store into the inboxes landed
 #endif
 }
