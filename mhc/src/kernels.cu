@@ -1705,8 +1705,9 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
         // The next tile's partials to the cluster. A block pushes tile j + 1 after its gates of
         // tile j, which waited for every block's push of tile j, which each block made after its
         // gates of tile j - 1 and thus after reading slot (j + 1) % 3 for tile j - 2 and arming
-        // it again: no push overwrites partials still to be read or reaches an unarmed phase.
-        // The stores' completion releases at cluster scope what the pushing block did before.
+        // it again: no push overwrites partials still to be read or reaches an unarmed phase
+        // (two slots would do; tests/cluster_handoffs.rs models these hand-offs). The stores'
+        // completion releases at cluster scope what the pushing block did before.
         if (more) push(b1);
         outputs(tile, b);
         b = b1;
