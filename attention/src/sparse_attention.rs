@@ -47,7 +47,7 @@
 //!   Q read), so neither waits for the other more than the data requires; `tests/wg_handoffs.rs`
 //!   runs a model of them under thousands of interleavings. f32 accumulation, the scores kept in base 2
 //!   (`s·scale·log2 e`) and exponentiated by the multi-function unit's `2^x` (relative error
-//!   below 2⁻²²). 215 368 bytes of shared memory, one block per multiprocessor. Its summation
+//!   below 2⁻²²). 215 360 bytes of shared memory, one block per multiprocessor. Its summation
 //!   order differs from the `mma.sync` kernel's (and
 //!   with the split), so they agree within the bf16 bound, not bit for bit; each kernel at a
 //!   given split is batch-invariant on its own.
@@ -446,7 +446,7 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 #define HF_WG_HEADS 64
 #define HF_WG_NT 64
 #define HF_WG_MAX_SPLIT 8
-#define HF_WG_MBARS 9  // KREADY, PFULL (pairs), KFREE (one per K buffer), WG0 and QFREE
+#define HF_WG_MBARS 8  // KREADY, PFULL (pairs), KFREE (one per K buffer) and QFREE
 #define HF_WG_DW0 128  // head_dim columns of O accumulated by warpgroup 0 (the rest: warpgroup 1)
 
 #if defined(HF_HAS_WGMMA)
@@ -640,8 +640,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     }
     // The warpgroups' hand-offs (below): mbarriers of 128 arrivals each, KFREE's of 256.
     const uint32_t mbar = hf_smem_addr(red + 2u * HB);
-    const uint32_t BAR_KREADY = mbar, BAR_PFULL = mbar + 16u, BAR_KFREE = mbar + 32u, BAR_WG0 = mbar + 56u,
-                   BAR_QFREE = mbar + 64u;
+    const uint32_t BAR_KREADY = mbar, BAR_PFULL = mbar + 16u, BAR_KFREE = mbar + 32u, BAR_QFREE = mbar + 56u;
     if (tid == 0u) {
 #pragma unroll
         for (uint32_t i = 0; i < HF_WG_MBARS; ++i) hf_mbar_init(mbar + 8u * i, i >= 4u && i < 7u ? 256u : 128u);
@@ -670,8 +669,9 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     // arrives, 0 waits; pair index and phase from tile - 1), PFULL (P and factors written: 0
     // arrives, 1 waits), KFREE (one per K buffer, 256 arrivals: both warpgroups done with the
     // buffer's tile; 1 waits before staging tile + 3 into it; phase (tile / 3) % 2), QFREE (Q read
-    // into warpgroup 0's registers: buffer 0 free for tile 2) and WG0 (warpgroup 0's own P
-    // written, before its P · V). A tile's pair is tile % 2 and its phase parity (tile / 2) % 2.
+    // into warpgroup 0's registers: buffer 0 free for tile 2); warpgroup 0's own P is written
+    // before its P · V reads it by named barrier 2 (its 128 threads). A tile's pair is tile % 2
+    // and its phase parity (tile / 2) % 2.
     // P and the factors are double-buffered: warpgroup 0 rewrites those of tile it only after
     // KREADY of tile it + 2, which warpgroup 1 gives once its P · V of tile it completed.
     float* corr_s = red;  // [2][HB]: the rescale factors of the tile of each parity
@@ -885,8 +885,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
             m0 = n0;
             m1 = n1;
             hf_wg_rescale(o, corr0, corr1);
-            hf_mbar_arrive(BAR_WG0);
-            hf_mbar_wait(BAR_WG0, it & 1u);  // P of the whole warpgroup written
+            hf_wg_named_sync(2u, 128u);  // P of the whole warpgroup written (warpgroup 0 only)
 
             // (3) O[:, 0 .. DW0 - 1] += P · V
             hf_wg_pv(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(kb * (TB >> 4)));
@@ -1156,15 +1155,15 @@ const WG_TILE: usize = 64;
 /// Dynamic shared memory of a warpgroup-kernel block, bytes: up to 1024 of padding (the layout
 /// starts 1024-aligned for the K tiles' swizzle), Q (`64 × 512` bf16, the third K buffer once
 /// read), two K tiles (`64 × 512` bf16 each), two P tiles (`64 × 64` bf16 each), the three K
-/// buffers' validity flags (`3 × 64` f32), the per-head exchange (`2 × 64` f32) and nine 8-byte
-/// mbarriers: 215 368 bytes.
+/// buffers' validity flags (`3 × 64` f32), the per-head exchange (`2 × 64` f32) and eight 8-byte
+/// mbarriers: 215 360 bytes.
 const WG_SHARED_BYTES: usize = 1024
     + WG_HEADS * WG_HEAD_DIM * 2
     + 2 * WG_TILE * WG_HEAD_DIM * 2
     + 2 * WG_HEADS * WG_TILE * 2
     + 3 * WG_TILE * 4
     + 2 * WG_HEADS * 4
-    + 9 * 8;
+    + 8 * 8;
 
 /// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, the tensor-core
 /// `hf_sparse_attn_mma{16,32,32s3}_d{64,128,256,512}_bf16` and the warpgroup
