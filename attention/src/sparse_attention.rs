@@ -43,11 +43,11 @@
 //!   registers), writes `p` (rounded to bf16 as above, double-buffered) and the rescale factors,
 //!   then `p·v` for `head_dim` 0 .. 127 (`wgmma` m64n128k16); warpgroup 1 runs `p·v` for 128 ..
 //!   511 (m64n256k16 + m64n128k16) from the same `p` and stages the tiles after the first. The
-//!   hand-offs are mbarriers (a tile landed, `p` written, a buffer free of both warpgroups' reads,
-//!   Q read), so neither waits for the other more than the data requires; `tests/wg_handoffs.rs`
+//!   hand-offs are named barriers (a tile landed, `p` written) and mbarriers (a buffer free of
+//!   both warpgroups' reads, Q read), so neither waits for the other more than the data requires; `tests/wg_handoffs.rs`
 //!   runs a model of them under thousands of interleavings. f32 accumulation, the scores kept in base 2
 //!   (`s·scale·log2 e`) and exponentiated by the multi-function unit's `2^x` (relative error
-//!   below 2⁻²²). 215 360 bytes of shared memory, one block per multiprocessor. Its summation
+//!   below 2⁻²²). 215 328 bytes of shared memory, one block per multiprocessor. Its summation
 //!   order differs from the `mma.sync` kernel's (and
 //!   with the split), so they agree within the bf16 bound, not bit for bit; each kernel at a
 //!   given split is batch-invariant on its own.
@@ -446,7 +446,7 @@ HF_ATTN_MMA_ENTRY(hf_sparse_attn_mma32s3_d512_bf16, 2, 512, 1, 3)
 #define HF_WG_HEADS 64
 #define HF_WG_NT 64
 #define HF_WG_MAX_SPLIT 8
-#define HF_WG_MBARS 8  // KREADY, PFULL (pairs), KFREE (one per K buffer) and QFREE
+#define HF_WG_MBARS 4  // KFREE (one per K buffer) and QFREE
 #define HF_WG_DW0 128  // head_dim columns of O accumulated by warpgroup 0 (the rest: warpgroup 1)
 
 #if defined(HF_HAS_WGMMA)
@@ -638,12 +638,12 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         }
         hf_cp_async_commit();
     }
-    // The warpgroups' hand-offs (below): mbarriers of 128 arrivals each, KFREE's of 256.
+    // The warpgroups' mbarrier hand-offs (below): KFREE's of 256 arrivals, QFREE's of 128.
     const uint32_t mbar = hf_smem_addr(red + 2u * HB);
-    const uint32_t BAR_KREADY = mbar, BAR_PFULL = mbar + 16u, BAR_KFREE = mbar + 32u, BAR_QFREE = mbar + 56u;
+    const uint32_t BAR_KFREE = mbar, BAR_QFREE = mbar + 24u;
     if (tid == 0u) {
 #pragma unroll
-        for (uint32_t i = 0; i < HF_WG_MBARS; ++i) hf_mbar_init(mbar + 8u * i, i >= 4u && i < 7u ? 256u : 128u);
+        for (uint32_t i = 0; i < HF_WG_MBARS; ++i) hf_mbar_init(mbar + 8u * i, i < 3u ? 256u : 128u);
     }
     // Q landed (this thread's copies; the tiles' groups may still be in flight: warpgroup 0 loads
     // Q into its registers while the first tile, three dependent loads behind (row pointers,
@@ -664,14 +664,16 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     // m64n64k16, Q from registers), keeps the row maxima and sums (a row's 64 entries sit in the
     // four lanes of a quad), writes P (bf16) and the rescale factors, then accumulates O's first
     // DW0 columns. Warpgroup 1 accumulates the rest of O from the same P and stages the tiles
-    // after the first two, two tiles ahead. The hand-offs are mbarriers, a pair per signal by
-    // parity (so neither side runs two phases ahead on one): KREADY (a tile's copies landed: 1
-    // arrives, 0 waits; pair index and phase from tile - 1), PFULL (P and factors written: 0
-    // arrives, 1 waits), KFREE (one per K buffer, 256 arrivals: both warpgroups done with the
-    // buffer's tile; 1 waits before staging tile + 3 into it; phase (tile / 3) % 2), QFREE (Q read
-    // into warpgroup 0's registers: buffer 0 free for tile 2); warpgroup 0's own P is written
-    // before its P · V reads it by named barrier 2 (its 128 threads). A tile's pair is tile % 2
-    // and its phase parity (tile / 2) % 2.
+    // after the first two, two tiles ahead. The hand-offs: KREADY (a tile's copies landed: 1
+    // arrives, 0 syncs) and PFULL (P and factors written: 0 arrives, 1 syncs) are named barriers
+    // of both warpgroups (256 threads), a pair per signal used by tile parity (PFULL of tile it is
+    // barrier 3 + it % 2, KREADY of tile it barrier 5 + (it - 1) % 2): neither side can arrive at
+    // one twice before the other synced on it, as each side's next arrival there needs a signal
+    // of the other's that follows that sync. KFREE (an mbarrier per K buffer, 256 arrivals: both
+    // warpgroups done with the buffer's tile; 1 waits before staging tile + 3 into it; phase
+    // (tile / 3) % 2) and QFREE (an mbarrier: Q read into warpgroup 0's registers, buffer 0 free
+    // for tile 2). Warpgroup 0's own P is written before its P · V reads it by named barrier 2
+    // (its 128 threads); the first tile goes to warpgroup 0 on named barrier 1.
     // P and the factors are double-buffered: warpgroup 0 rewrites those of tile it only after
     // KREADY of tile it + 2, which warpgroup 1 gives once its P · V of tile it completed.
     float* corr_s = red;  // [2][HB]: the rescale factors of the tile of each parity
@@ -816,7 +818,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         for (uint32_t i = 0; i < DW0 / 2u; ++i) o[i] = 0.0f;
         for (uint32_t it = 0; it < nloc; ++it) {
             const uint32_t b = it & 1u, kb = (it + 1u) % 3u;
-            if (it > 0u) hf_mbar_wait(BAR_KREADY + 8u * ((it - 1u) & 1u), ((it - 1u) >> 1) & 1u);
+            if (it > 0u) hf_wg_named_sync(5u + ((it - 1u) & 1u), 256u);  // KREADY of tile it
             // (1) S = Q · K^T over the tile's 64 entries, Q from registers. The K descriptor
             // advances by its start address (bytes / 16): 32 bytes per k-step within a 64-column
             // block (the swizzle applies to the final address), a block's bytes across.
@@ -875,7 +877,7 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
                 corr_s[b * HB + r1] = corr1;
             }
             hf_fence_proxy_async();
-            hf_mbar_arrive(BAR_PFULL + 8u * b);  // P and factors of tile it, to warpgroup 1
+            hf_wg_named_arrive(3u + b, 256u);  // PFULL: P and factors of tile it, to warpgroup 1
             rs0 += hf_shfl_xor(rs0, 1);
             rs0 += hf_shfl_xor(rs0, 2);
             rs1 += hf_shfl_xor(rs1, 1);
@@ -915,14 +917,14 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
             hf_cp_async_commit();
             // P · V of tile it issued, then tile it + 1 to warpgroup 0 once it landed: a tile whose
             // copies are late holds back no P · V.
-            hf_mbar_wait(BAR_PFULL + 8u * b, (it >> 1) & 1u);
+            hf_wg_named_sync(3u + b, 256u);  // PFULL of tile it
             hf_wg_rescale(o, corr_s[b * HB + r0], corr_s[b * HB + r1]);
             // (3) O[:, DW0 .. D - 1] += P · V
             hf_wg_pv<(D - DW0) / 2u, false>(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(kb * (TB >> 4)));
             if (it + 1u < nloc) {
                 hf_cp_async_wait<1>();
                 hf_fence_proxy_async();
-                hf_mbar_arrive(BAR_KREADY + 8u * b);  // tile it + 1: pair it % 2, phase it / 2
+                hf_wg_named_arrive(5u + b, 256u);  // KREADY of tile it + 1
             }
             hf_wgmma_wait<0>();
             if (it + 3u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * kb);
@@ -1155,15 +1157,15 @@ const WG_TILE: usize = 64;
 /// Dynamic shared memory of a warpgroup-kernel block, bytes: up to 1024 of padding (the layout
 /// starts 1024-aligned for the K tiles' swizzle), Q (`64 × 512` bf16, the third K buffer once
 /// read), two K tiles (`64 × 512` bf16 each), two P tiles (`64 × 64` bf16 each), the three K
-/// buffers' validity flags (`3 × 64` f32), the per-head exchange (`2 × 64` f32) and eight 8-byte
-/// mbarriers: 215 360 bytes.
+/// buffers' validity flags (`3 × 64` f32), the per-head exchange (`2 × 64` f32) and four 8-byte
+/// mbarriers: 215 328 bytes.
 const WG_SHARED_BYTES: usize = 1024
     + WG_HEADS * WG_HEAD_DIM * 2
     + 2 * WG_TILE * WG_HEAD_DIM * 2
     + 2 * WG_HEADS * WG_TILE * 2
     + 3 * WG_TILE * 4
     + 2 * WG_HEADS * 4
-    + 8 * 8;
+    + 4 * 8;
 
 /// The kernel source (`hf_kv_insert_bf16`, `hf_sparse_attn_bf16`, the tensor-core
 /// `hf_sparse_attn_mma{16,32,32s3}_d{64,128,256,512}_bf16` and the warpgroup

@@ -5,13 +5,15 @@
 //! block of `nloc` tiles: `cp.async` staging into the three K buffers (Q's buffer included) and
 //! its commit groups and waits, the `wgmma` reads of a K buffer and of a P buffer from issue to
 //! the wait that completes them, the writes of P and of the rescale factors, the reads of a
-//! buffer's validity flags, the mbarriers (KREADY and PFULL pairs, a KFREE per K buffer, QFREE)
-//! with their arrival counts and parity waits, and the block's named barriers. Operations are
+//! buffer's validity flags, the mbarriers (a KFREE per K buffer, QFREE) with their arrival
+//! counts and parity waits, and the named barriers of both warpgroups (the block's, the first
+//! tile's, the KREADY and PFULL pairs), each arrival counted per warpgroup. Operations are
 //! atomic and the scheduler picks the next actor at random (seeded), so every order of the two
 //! programs that the hand-offs allow can come up. Reported: a read of a buffer that does not hold
 //! the expected tile, or whose copies did not land; a staging or a P write into a buffer with a
 //! read still in flight; a parity wait that passes on another phase than the one it waits for;
-//! a deadlock; arrivals left over at the end.
+//! a warpgroup arriving twice at a named barrier before the other; a deadlock; arrivals left over
+//! at the end.
 
 /// What the kernel does, or a deliberate fault (to show that the model reports it).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -23,12 +25,13 @@ enum Fault {
     NoKfreeWait,
     /// Warpgroup 1 gives KREADY before waiting for the tile's copies.
     ReadyBeforeLanded,
+    /// KREADY on the named barriers of PFULL.
+    SharedNamedBarriers,
 }
 
+/// The kernel's mbarriers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Bar {
-    KReady(usize),
-    PFull(usize),
     KFree(usize),
     QFree,
 }
@@ -36,17 +39,30 @@ enum Bar {
 impl Bar {
     fn index(self) -> usize {
         match self {
-            Bar::KReady(i) => i,
-            Bar::PFull(i) => 2 + i,
-            Bar::KFree(i) => 4 + i,
-            Bar::QFree => 7,
+            Bar::KFree(i) => i,
+            Bar::QFree => 3,
         }
     }
     fn count(self) -> u32 {
         match self {
             Bar::KFree(_) => 256,
-            _ => 128,
+            Bar::QFree => 128,
         }
+    }
+}
+
+/// The kernel's named barriers of both warpgroups: 0 (the block), 1 (the first tile), PFULL of
+/// tile parity b (3 + b), KREADY of the tile after one of parity b (5 + b). (Named barrier 2 is
+/// warpgroup 0's alone: inside one actor here.)
+const NAMED: usize = 7;
+fn pfull(b: usize) -> usize {
+    3 + b
+}
+fn kready(b: usize, fault: Fault) -> usize {
+    if fault == Fault::SharedNamedBarriers {
+        pfull(b)
+    } else {
+        5 + b
     }
 }
 
@@ -132,13 +148,13 @@ fn programs(nloc: usize, fault: Fault) -> [Vec<Op>; 2] {
     for it in 0..n {
         let (b, kb) = ((it % 2) as usize, kbuf(it));
         if it > 0 {
-            w0.push(Wait(Bar::KReady(((it - 1) % 2) as usize), ((it - 1) / 2) as u64));
+            w0.push(Sync(kready(((it - 1) % 2) as usize, fault)));
         }
         w0.push(Mma { k: (kb, it), p: None });
         w0.push(MmaWait);
         w0.push(ReadFlags { buf: kb, tile: it });
         w0.push(WriteP { p: b, tile: it });
-        w0.push(Arrive(Bar::PFull(b)));
+        w0.push(ArriveNamed(pfull(b)));
         w0.push(Mma { k: (kb, it), p: Some((b, it)) });
         w0.push(MmaWait);
         if it + 3 < n {
@@ -163,17 +179,17 @@ fn programs(nloc: usize, fault: Fault) -> [Vec<Op>; 2] {
             w1.push(Stage { buf: (it % 3) as usize, tile: it + 2 });
         }
         w1.push(Commit);
-        w1.push(Wait(Bar::PFull(b), (it / 2) as u64));
+        w1.push(Sync(pfull(b)));
         w1.push(ReadFactors { p: b, tile: it });
         w1.push(Mma { k: (kb, it), p: Some((b, it)) });
         // Tile it + 1 (all groups but tile it + 2's landed) to warpgroup 0.
         if it + 1 < n {
             if fault == Fault::ReadyBeforeLanded {
-                w1.push(Arrive(Bar::KReady(b)));
+                w1.push(ArriveNamed(kready(b, fault)));
                 w1.push(WaitGroups(1));
             } else {
                 w1.push(WaitGroups(1));
-                w1.push(Arrive(Bar::KReady(b)));
+                w1.push(ArriveNamed(kready(b, fault)));
             }
         }
         w1.push(MmaWait);
@@ -212,8 +228,9 @@ struct Actor {
 struct Sim {
     k: [KBuf; 3],
     p: [Option<i64>; 2],
-    bars: [(u32, u64); 8], // (arrivals in the current phase, completed phases)
-    named: [(u32, u64); 2],
+    bars: [(u32, u64); 4], // (arrivals in the current phase, completed phases)
+    /// Per named barrier: the warpgroups arrived in the current generation, completed ones.
+    named: [([bool; 2], u64); NAMED],
     actors: [Actor; 2],
 }
 
@@ -222,8 +239,8 @@ impl Sim {
         Sim {
             k: Default::default(),
             p: [None; 2],
-            bars: [(0, 0); 8],
-            named: [(0, 0); 2],
+            bars: [(0, 0); 4],
+            named: [([false; 2], 0); NAMED],
             actors: [Actor::default(), Actor::default()],
         }
     }
@@ -287,13 +304,13 @@ impl Sim {
             Op::Sync(id) => match self.actors[a].waiting {
                 Some(_) => self.actors[a].waiting = None,
                 None => {
-                    let gen = self.arrive_named(id);
+                    let gen = self.arrive_named(a, id)?;
                     self.actors[a].waiting = Some((id, gen));
                     return Ok(false);
                 }
             },
             Op::ArriveNamed(id) => {
-                self.arrive_named(id);
+                self.arrive_named(a, id)?;
             }
             Op::LoadQ => self.check_k(0, Q, "Q loaded")?,
             Op::Mma { k: (kb, kt), p } => {
@@ -334,15 +351,21 @@ impl Sim {
         self.actors.iter().any(|x| x.reads.iter().any(&f))
     }
 
-    fn arrive_named(&mut self, id: usize) -> u64 {
-        let (arr, gen) = &mut self.named[id];
-        *arr += 1;
+    /// Warpgroup `a`'s 128 arrivals at named barrier `id` (256 complete it): the generation it
+    /// completes. A warpgroup arriving twice in one generation would complete it without the
+    /// other, so that is reported.
+    fn arrive_named(&mut self, a: usize, id: usize) -> Result<u64, String> {
+        let (arrived, gen) = &mut self.named[id];
+        if arrived[a] {
+            return Err(format!("named barrier {id}: warpgroup {a} arrived twice before the other warpgroup"));
+        }
+        arrived[a] = true;
         let target = *gen + 1;
-        if *arr == 2 {
-            *arr = 0;
+        if arrived.iter().all(|&x| x) {
+            *arrived = [false; 2];
             *gen += 1;
         }
-        target
+        Ok(target)
     }
 
     fn check_k(&self, buf: usize, tile: i64, what: &str) -> Result<(), String> {
@@ -397,6 +420,9 @@ fn run(nloc: usize, fault: Fault, seed: u64, bias: u64) -> Result<(), String> {
     if let Some((i, b)) = sim.bars.iter().enumerate().find(|(_, b)| b.0 != 0) {
         return Err(format!("barrier {i}: {} arrivals left in an unfinished phase", b.0));
     }
+    if let Some(id) = (0..NAMED).find(|&id| sim.named[id].0.iter().any(|&x| x)) {
+        return Err(format!("named barrier {id}: an arrival left in an unfinished generation"));
+    }
     Ok(())
 }
 
@@ -422,11 +448,12 @@ fn the_hand_offs_hold_under_every_explored_interleaving() {
 }
 
 #[test]
-fn the_model_reports_a_flipped_parity_an_unguarded_buffer_and_an_early_ready() {
+fn the_model_reports_a_flipped_parity_an_unguarded_buffer_an_early_ready_and_shared_named_barriers() {
     for (fault, words) in [
         (Fault::FlippedKfreeParity, &["KFree", "deadlock"][..]),
         (Fault::NoKfreeWait, &["staged into K buffer", "while an MMA still reads it", "holding"][..]),
         (Fault::ReadyBeforeLanded, &["before its copies landed"][..]),
+        (Fault::SharedNamedBarriers, &["arrived twice", "holding", "deadlock"][..]),
     ] {
         let errors = sweep(fault);
         assert!(!errors.is_empty(), "{fault:?} went unreported");
