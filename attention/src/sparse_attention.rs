@@ -592,8 +592,8 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
     // four whole 128-byte lines and writes 512 contiguous bytes. The first tile is staged by the
     // whole block (entries k / 8 and k / 8 + 32 of thread k; the second cp.async group), every
     // later one by warpgroup 1 (entries k / 8 + 16u, u < 4, of its thread k; one group per tile).
-    // The slots (-1 past the list) are plain loads fetched a tile ahead, so staging never waits on
-    // them.
+    // The slots (-1 past the list) are plain loads fetched ahead (three tiles ahead in the loop),
+    // so that staging does not wait on them.
     auto fetch = [&](uint32_t tile, uint32_t e) -> int32_t {
         const uint32_t j = tile * NT + e;
         const int32_t* at = j < nm ? main_idx + mb + (int32_t)j : extra_idx + eb + (int32_t)(j - nm);
@@ -619,22 +619,23 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         stage_entry(rank, 1u, se + 32u, tid & 7u, s1);
     }
     hf_cp_async_commit();
-    // Warpgroup 1's four entries of local tile `i`: their slots (sl), then their copies.
+    // Warpgroup 1's four entries of local tile `i`: their slots (into one of three sets), then their
+    // copies.
     const uint32_t u1 = tid - 128u, se1 = u1 >> 3, c81 = u1 & 7u;
-    int32_t sl[4];
-    auto fetch4 = [&](uint32_t i) {
+    int32_t sl[4], sl2[4], sl3[4];
+    auto fetch4 = [&](uint32_t i, int32_t(&dst)[4]) {
 #pragma unroll
-        for (uint32_t u = 0; u < 4u; ++u) sl[u] = fetch(rank + i * ns, se1 + 16u * u);
+        for (uint32_t u = 0; u < 4u; ++u) dst[u] = fetch(rank + i * ns, se1 + 16u * u);
     };
-    auto stage4 = [&](uint32_t i, uint32_t kb) {
+    auto stage4 = [&](uint32_t i, uint32_t kb, const int32_t(&src)[4]) {
 #pragma unroll
-        for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + i * ns, kb, se1 + 16u * u, c81, sl[u]);
+        for (uint32_t u = 0; u < 4u; ++u) stage_entry(rank + i * ns, kb, se1 + 16u * u, c81, src[u]);
     };
     // The second tile, by warpgroup 1 into buffer 2 (its third cp.async group; empty past the list).
     if (wg == 1u) {
         if (nloc > 1u) {
-            fetch4(1u);
-            stage4(1u, 2u);
+            fetch4(1u, sl);
+            stage4(1u, 2u, sl);
         }
         hf_cp_async_commit();
     }
@@ -903,32 +904,45 @@ __device__ __forceinline__ void hf_sparse_attn_wg(const hf_bf16* __restrict__ q,
         float o[(D - DW0) / 2u];  // 64 x (D - DW0) f32 accumulators: O[:, DW0 .. D - 1]
 #pragma unroll
         for (uint32_t i = 0; i < (D - DW0) / 2u; ++i) o[i] = 0.0f;
-        if (nloc > 2u) fetch4(2u);
-        for (uint32_t it = 0; it < nloc; ++it) {
-            const uint32_t b = it & 1u, kb = (it + 1u) % 3u;
-            // Tile it + 2 into buffer it % 3 (tile it - 1's, or Q's for tile 2) once both
-            // warpgroups are done with what it holds; a group per iteration (empty past the list).
-            if (it + 2u < nloc) {
-                if (it == 0u) hf_mbar_wait(BAR_QFREE, 0u);
-                else hf_mbar_wait(BAR_KFREE + 8u * (it % 3u), ((it - 1u) / 3u) & 1u);
-                stage4(it + 2u, it % 3u);
-                if (it + 3u < nloc) fetch4(it + 3u);
-            }
-            hf_cp_async_commit();
-            // P · V of tile it issued, then tile it + 1 to warpgroup 0 once it landed: a tile whose
-            // copies are late holds back no P · V.
-            hf_wg_named_sync(3u + b, 256u);  // PFULL of tile it
-            hf_wg_rescale(o, corr_s[b * HB + r0], corr_s[b * HB + r1]);
-            // (3) O[:, DW0 .. D - 1] += P · V
-            hf_wg_pv<(D - DW0) / 2u, false>(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(kb * (TB >> 4)));
-            if (it + 1u < nloc) {
-                hf_cp_async_wait<1>();
-                hf_fence_proxy_async();
-                hf_wg_named_arrive(5u + b, 256u);  // KREADY of tile it + 1
-            }
-            hf_wgmma_wait<0>();
-            if (it + 3u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * kb);
+        // The slots of tile it + 2 are in sl, sl2 or sl3 by it % 3, loaded three iterations ahead:
+        // their loads queue behind the K rows' copies in flight, so a tile's lead is not enough.
+        // The loop is unrolled by three so that each set stays in its registers (a copy from one
+        // set to another would wait for its loads).
+        if (nloc > 2u) fetch4(2u, sl);
+        if (nloc > 3u) fetch4(3u, sl2);
+        if (nloc > 4u) fetch4(4u, sl3);
+#define HF_WG1_STEP(it, sx)                                                                              \
+    do {                                                                                                 \
+        const uint32_t b = (it) & 1u, kb = ((it) + 1u) % 3u;                                             \
+        /* Tile it + 2 into buffer it % 3 (tile it - 1's, or Q's for tile 2) once both warpgroups   */   \
+        /* are done with what it holds; a group per iteration (empty past the list).                 */   \
+        if ((it) + 2u < nloc) {                                                                          \
+            if ((it) == 0u) hf_mbar_wait(BAR_QFREE, 0u);                                                 \
+            else hf_mbar_wait(BAR_KFREE + 8u * ((it) % 3u), (((it) - 1u) / 3u) & 1u);                    \
+            stage4((it) + 2u, (it) % 3u, sx);                                                            \
+            if ((it) + 5u < nloc) fetch4((it) + 5u, sx);                                                 \
+        }                                                                                                \
+        hf_cp_async_commit();                                                                            \
+        /* P · V of tile it issued, then tile it + 1 to warpgroup 0 once it landed: a tile whose      */ \
+        /* copies are late holds back no P · V.                                                       */ \
+        hf_wg_named_sync(3u + b, 256u); /* PFULL of tile it */                                           \
+        hf_wg_rescale(o, corr_s[b * HB + r0], corr_s[b * HB + r1]);                                      \
+        /* (3) O[:, DW0 .. D - 1] += P · V */                                                            \
+        hf_wg_pv<(D - DW0) / 2u, false>(o, dp0 + (uint64_t)(b * (PB >> 4)), dv0 + (uint64_t)(kb * (TB >> 4))); \
+        if ((it) + 1u < nloc) {                                                                          \
+            hf_cp_async_wait<1>();                                                                       \
+            hf_fence_proxy_async();                                                                      \
+            hf_wg_named_arrive(5u + b, 256u); /* KREADY of tile it + 1 */                                \
+        }                                                                                                \
+        hf_wgmma_wait<0>();                                                                              \
+        if ((it) + 3u < nloc) hf_mbar_arrive(BAR_KFREE + 8u * kb);                                       \
+    } while (0)
+        for (uint32_t it = 0; it < nloc; it += 3u) {
+            HF_WG1_STEP(it, sl);
+            if (it + 1u < nloc) HF_WG1_STEP(it + 1u, sl2);
+            if (it + 2u < nloc) HF_WG1_STEP(it + 2u, sl3);
         }
+#undef HF_WG1_STEP
         HF_WG_FINISH(o, DW0);
 #undef HF_WG_FINISH
     }
