@@ -1469,7 +1469,9 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     const uint32_t nb = hf_cluster_blocks(), Hs = H / nb, cols = Hs / 8u, chunks = MHC_N * cols;
     const uint32_t h_lo = rank * Hs;
     const uint64_t D = (uint64_t)MHC_N * H;
-    if (nb > MHC_CL_MAX_BLOCKS) __trap();  // never: the host launches clusters of 8 or 16
+    // Never: the host launches clusters of 8 or 16 blocks (st.async into the cluster needs two or
+    // more, and the inboxes hold 16).
+    if (nb < 2u || nb > MHC_CL_MAX_BLOCKS) __trap();
     const uint32_t full_a = hf_smem_addr(&full[0]), push_bytes = nb * MHC_CL_VALUES * (uint32_t)sizeof(float);
     hf_bf16* tiles_rows = reinterpret_cast<hf_bf16*>(mhc_cl_smem);
     const uint32_t tile_elems = MHC_CL_TILE * MHC_N * Hs;
