@@ -33,8 +33,8 @@
 //!   per warp. Q is staged in shared memory (a `cp.async` group of its own, so that warpgroup 0
 //!   reads it into its registers while the first tile still lands) and read once into warpgroup
 //!   0's registers; its shared memory then serves as the third of three K buffers: the entries
-//!   stream through `cp.async`-staged tiles of 64, two tiles ahead (their slots fetched a tile
-//!   before that), in the 128-byte-swizzled layout, so every warp's copy
+//!   stream through `cp.async`-staged tiles of 64, two tiles ahead (their slots loaded three
+//!   tiles ahead), in the 128-byte-swizzled layout, so every warp's copy
 //!   moves whole 128-byte lines at both ends (the no-swizzle layout scattered each row's 16-byte
 //!   pieces 128 bytes apart, which split every 32-byte sector into two requests);
 //!   the warpgroups take turns: warpgroup 0 runs `q·kᵀ` over the whole tile as `wgmma`
@@ -44,10 +44,10 @@
 //!   then `p·v` for `head_dim` 0 .. 127 (`wgmma` m64n128k16); warpgroup 1 runs `p·v` for 128 ..
 //!   511 (m64n256k16 + m64n128k16) from the same `p` and stages the tiles after the first. The
 //!   hand-offs are named barriers (a tile landed, `p` written) and mbarriers (a buffer free of
-//!   both warpgroups' reads, Q read), so neither waits for the other more than the data requires; `tests/wg_handoffs.rs`
-//!   runs a model of them under thousands of interleavings. f32 accumulation, the scores kept in base 2
-//!   (`s·scale·log2 e`) and exponentiated by the multi-function unit's `2^x` (relative error
-//!   below 2⁻²²). 215 328 bytes of shared memory, one block per multiprocessor. Its summation
+//!   both warpgroups' reads, Q read), so neither waits for the other more than the data
+//!   requires; `tests/wg_handoffs.rs` runs a model of them under thousands of interleavings. f32
+//!   accumulation, the scores kept in base 2 (`s·scale·log2 e`) and exponentiated by the
+//!   multi-function unit's `2^x` (relative error below 2⁻²²). 215 328 bytes of shared memory, one block per multiprocessor. Its summation
 //!   order differs from the `mma.sync` kernel's (and
 //!   with the split), so they agree within the bf16 bound, not bit for bit; each kernel at a
 //!   given split is batch-invariant on its own.

@@ -103,8 +103,8 @@
 //!   every block) and writes its slice of the outputs: the residual is read from memory once. The
 //!   tiles are pipelined over three row buffers and partial slots: while one warp waits for a
 //!   tile's partials and forms its gates, the block's other warps form their partials of the
-//!   next tile, and the rows of the one after are copied (`cp.async`). A token's reduction order depends on `H` alone (the cluster size is a function
-//!   of `H`). Grid: the clusters the device runs at once (`Device::max_active_clusters`), at most
+//!   next tile, and the rows of the one after are copied (`cp.async`). A token's reduction order
+//!   depends on `H` alone (the cluster size is a function of `H`). Grid: the clusters the device runs at once (`Device::max_active_clusters`), at most
 //!   one per tile. Shared memory `192·H/nb` bytes per block.
 //! - `mhc_post`: elementwise, `(ceil(H/1024), T)` blocks of 128 threads, 16-byte loads and stores.
 //! - Rows that are not 16-byte aligned or `H % 8 != 0` take element loads with the same

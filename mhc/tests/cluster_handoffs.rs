@@ -14,11 +14,12 @@
 //! every block; a parity wait that passes on another phase than the one it waits for; a block
 //! that leaves with stores to or from it in flight; a deadlock.
 
-/// What the kernel does, or a deliberate fault (to show that the model reports it).
+/// What the kernel does, a variant that also holds (two slots), or a deliberate fault (to show
+/// that the model reports it).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Fault {
     None,
-    /// Two slots instead of three (the fewest that hold: not a fault).
+    /// Two slots instead of three (the fewest that hold).
     TwoSlots,
     /// One slot.
     OneSlot,
