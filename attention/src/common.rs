@@ -59,7 +59,7 @@ pub struct CommonConfig {
 impl CommonConfig {
     /// Query tokens at or below which a request is a decode: `1 + num_spec_tokens`.
     pub fn decode_threshold(&self) -> usize {
-        1 + self.num_spec_tokens
+        self.num_spec_tokens.saturating_add(1)
     }
 
     /// Update cells every upload copies and applies (the fixed-size, capturable part):
@@ -78,6 +78,13 @@ impl CommonConfig {
         let bad = |m: String| Err(AttentionError::Config(m));
         if self.max_num_batched_tokens == 0 || self.max_num_seqs == 0 || self.max_model_len == 0 {
             return bad(format!("sizes must be positive: {self:?}"));
+        }
+        if self.num_spec_tokens >= self.max_num_batched_tokens {
+            return bad(format!(
+                "num_spec_tokens {} must be below max_num_batched_tokens {} (a decode row holds 1 + \
+                 num_spec_tokens tokens)",
+                self.num_spec_tokens, self.max_num_batched_tokens
+            ));
         }
         if self.max_table_updates == 0 || self.max_table_updates > (i32::MAX as usize - 1) / 2 {
             return bad(format!("max_table_updates {} must lie in [1, (i32::MAX − 1) / 2]", self.max_table_updates));

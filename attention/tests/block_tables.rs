@@ -282,6 +282,12 @@ fn every_rejected_common_config_names_the_field_and_the_bound(dev: &Device) {
             words(&["sizes must be positive", "max_model_len: 0"]),
         ),
         (
+            "speculative tokens past the batch",
+            new(&|c| c.num_spec_tokens = usize::MAX),
+            config_error,
+            words(&["num_spec_tokens 18446744073709551615 must be below max_num_batched_tokens"]),
+        ),
+        (
             "no update cells",
             new(&|c| c.max_table_updates = 0),
             config_error,
