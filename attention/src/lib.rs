@@ -66,12 +66,13 @@ pub use common::{
 pub use compressor::{source as compressor_source, Compressor, CompressorWeights, COMPRESSOR_THREADS};
 pub use error::{AttentionError, Result};
 pub use indexer::{
-    indexer_max_compressed, source as indexer_source, Indexer, INDEXER_MAX_SHARED_FLOATS, INDEXER_WARPS, TOPK_THREADS,
+    indexer_max_compressed, source as indexer_source, Indexer, INDEXER_MAX_SHARED_FLOATS, INDEXER_WARPS, TOPK_MAX,
+    TOPK_THREADS,
 };
 pub use layer::LayerKind;
 pub use source::C4A_THREADS;
 pub use sparse_attention::{
     source as sparse_attention_source, AttentionKernel, RaggedKv, SparseAttention, HEADS_PER_BLOCK,
-    MAX_CHUNKS_PER_LANE, TENSOR_CORE_HEAD_DIMS, WG_DEFAULT_SPLIT, WG_HEAD_DIM, WG_SPLITS,
+    MAX_CHUNKS_PER_LANE, MAX_HEADS, TENSOR_CORE_HEAD_DIMS, WG_DEFAULT_SPLIT, WG_HEAD_DIM, WG_SPLITS,
 };
 pub use swa::{SwaBuilder, SwaDecode, SwaMetadata, SwaPrefill};

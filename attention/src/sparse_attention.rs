@@ -968,6 +968,9 @@ hf_sparse_attn_wg64_d512_bf16(const hf_bf16* q, const hf_bf16* main_cache, const
 }
 "#;
 
+/// Most query heads [`SparseAttention`] takes.
+pub const MAX_HEADS: usize = 1 << 12;
+
 /// Heads handled by one block (4 warps × 2 heads).
 pub const HEADS_PER_BLOCK: u32 = 8;
 /// Largest supported `head_dim` is `MAX_CHUNKS_PER_LANE × warp size` (512 on NVIDIA).
@@ -1294,11 +1297,14 @@ impl SparseAttention {
     }
 
     /// As [`SparseAttention::new`], choosing the attention kernel.
+    ///
+    /// `heads` must lie in `[1, MAX_HEADS]` (4096: the launch grids and the row sizes stay far
+    /// from their 32-bit limits).
     pub fn with_kernel(dev: &Device, heads: usize, head_dim: usize, kernel: AttentionKernel) -> Result<Self> {
         const OP: &str = "SparseAttention::new";
         let warp = dev.info().warp_size.max(32);
-        if heads == 0 {
-            return Err(shape(OP, "heads must be at least 1".into()));
+        if heads == 0 || heads > MAX_HEADS {
+            return Err(shape(OP, format!("heads must lie in [1, {MAX_HEADS}], got {heads}")));
         }
         if head_dim == 0 || !head_dim.is_multiple_of(warp as usize) || head_dim > (MAX_CHUNKS_PER_LANE * warp) as usize
         {

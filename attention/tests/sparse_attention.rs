@@ -509,8 +509,18 @@ fn every_rejected_shape_or_view_names_it(dev: &Device) {
     let new: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "SparseAttention::new", .. });
     let insert: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "kv_insert", .. });
     let attend: fn(&AttentionError) -> bool = |e| matches!(e, AttentionError::Shape { op: "sparse_attention", .. });
-    let mut cases: Vec<ErrorCase> =
-        vec![("no heads", SparseAttention::new(dev, 0, 64).map(|_| ()), new, words(&["heads must be at least 1"]))];
+    let mut cases: Vec<ErrorCase> = vec![(
+        "no heads",
+        SparseAttention::new(dev, 0, 64).map(|_| ()),
+        new,
+        words(&["heads must lie in [1, 4096], got 0"]),
+    )];
+    cases.push((
+        "too many heads",
+        SparseAttention::new(dev, usize::MAX, 64).map(|_| ()),
+        new,
+        vec![format!("heads must lie in [1, 4096], got {}", usize::MAX)],
+    ));
     for d in [0, warp + warp / 2, top + warp] {
         cases.push((
             "unsupported head_dim",
