@@ -417,6 +417,32 @@ impl ModelConfig {
                     ),
                 ));
             }
+            // What the indexer kernels hold (Indexer::new checks the same): one block stages the
+            // heads' queries and weights and a K row per warp in shared memory, and top-k keeps at
+            // most TOPK_MAX entries.
+            let (h, d) = (self.index_n_heads, self.index_head_dim);
+            let floats = h * d + h + holdfast_attention::INDEXER_WARPS as usize * d;
+            if floats > holdfast_attention::INDEXER_MAX_SHARED_FLOATS {
+                return Err(err(
+                    "index_n_heads",
+                    format!(
+                        "{h} heads × index_head_dim {d} (+ {h} weights + {} K rows) need {floats} floats of shared \
+                         memory; the indexer stages at most {}",
+                        holdfast_attention::INDEXER_WARPS,
+                        holdfast_attention::INDEXER_MAX_SHARED_FLOATS
+                    ),
+                ));
+            }
+            if self.index_topk > holdfast_attention::TOPK_MAX {
+                return Err(err(
+                    "index_topk",
+                    format!(
+                        "must be at most {} (the top-k kernel's limit), got {}",
+                        holdfast_attention::TOPK_MAX,
+                        self.index_topk
+                    ),
+                ));
+            }
         }
         Ok(())
     }
@@ -465,6 +491,9 @@ mod tests {
             ("index_topk", "at least 1", |c| c.index_topk = 0),
             ("index_head_dim", "multiple of 32", |c| c.index_head_dim = 48),
             ("index_head_dim", "at least qk_rope_head_dim", |c| c.index_head_dim = 0),
+            ("index_n_heads", "floats of shared memory", |c| c.index_head_dim = 4096),
+            ("index_n_heads", "floats of shared memory", |c| c.index_n_heads = 4096),
+            ("index_topk", "at most 1024", |c| c.index_topk = 1025),
         ];
         for (field, needle, f) in cases {
             let mut c = ModelConfig::tiny();
