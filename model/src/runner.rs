@@ -256,6 +256,10 @@ impl ModelRunner {
                 attention_is_splitting_op: true,
             },
         )?;
+        // Checked in every mode, `none` included (which captures nothing but takes the same list).
+        if s.capture_sizes.iter().flatten().any(|&z| z == 0) {
+            return Err(setting("capture_sizes", "size 0: a graph serves at least one token".to_string()));
+        }
         if let Some(&big) = s.capture_sizes.iter().flatten().find(|&&z| z as usize > s.max_num_batched_tokens) {
             return Err(setting(
                 "capture_sizes",
