@@ -120,6 +120,9 @@ fn an_impossible_capture_size_is_a_usage_error() {
         &["capture_sizes", "4096"],
     );
     assert_usage_error(&holdfast(&["simulate", "--capture-sizes", "0", "--quiet"]), &["capture_sizes"]);
+    // The same list is checked the same way where no graph is captured.
+    assert_usage_error(&holdfast(&["plan", "--mode", "none", "--capture-sizes", "0"]), &["capture_sizes", "size 0"]);
+    assert_usage_error(&holdfast(&["plan", "--mode", "none", "--capture-sizes", "999"]), &["capture_sizes", "999"]);
     // Every mode's settings are checked before the first mode runs: without --quiet the error is
     // still the first line (no header, no NONE run before the graph modes' capture sizes fail).
     for (args, named) in [
@@ -170,7 +173,7 @@ fn tokens_do_not_depend_on_arrivals_concurrency_or_token_budget() {
 #[test]
 fn tensor_parallel_ranks_give_the_single_device_tokens_and_bad_splits_are_usage_errors() {
     let dir = temp_dir("tp");
-    let digests = |tp: &str| -> Vec<serde_json::Value> {
+    let digests_on = |tp: &str, backend: &str| -> Vec<serde_json::Value> {
         let json = dir.join(format!("tp{tp}.json"));
         let out = holdfast(&[
             "simulate",
@@ -181,18 +184,24 @@ fn tensor_parallel_ranks_give_the_single_device_tokens_and_bad_splits_are_usage_
             "none,full_and_piecewise",
             "--tensor-parallel",
             tp,
+            "--backend",
+            backend,
             "--json",
             json.to_str().expect("utf-8 path"),
         ]);
-        assert_eq!(out.status.code(), Some(0), "tp {tp}: {}", text(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "tp {tp} on {backend}: {}", text(&out.stderr));
         let report: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(&json).expect("report written")).expect("JSON");
         report["modes"].as_array().expect("modes").iter().map(|m| m["tokens_digest"].clone()).collect()
     };
+    let digests = |tp: &str| digests_on(tp, "cpu");
     let (one, two) = (digests("1"), digests("2"));
     assert_eq!(one.len(), 2);
     assert_eq!(one[0], one[1], "modes agree on one device");
     assert_eq!(two, one, "2 ranks generate the single-device tokens");
+    // Every spelling of the CPU device serves every rank.
+    assert_eq!(digests_on("2", "cpu:0"), one, "cpu:0");
+    assert_eq!(digests_on("2", "CPU"), one, "CPU");
     // `tiny` has 2 query heads: 4 ranks cannot split them.
     assert_usage_error(&holdfast(&["simulate", "--tensor-parallel", "4"]), &["num_attention_heads", "4"]);
     assert_usage_error(&holdfast(&["simulate", "--tensor-parallel", "0"]), &["--tensor-parallel"]);
@@ -236,4 +245,25 @@ fn an_unwritable_json_path_is_a_usage_error_before_any_mode_runs() {
     let out = holdfast(&["simulate", "--requests", "2", "--json", p]);
     assert_usage_error(&out, &["--json", p]);
     assert!(text(&out.stdout).is_empty(), "nothing ran: {}", text(&out.stdout));
+    // A run refused after the path was checked leaves no report file behind.
+    let json = temp_dir("refused").join("r.json");
+    let out = holdfast(&["simulate", "--quiet", "--max-model-len", "99999", "--json", json.to_str().expect("utf-8")]);
+    assert_usage_error(&out, &["max_model_len", "99999"]);
+    assert!(!json.exists(), "no empty report left at {}", json.display());
+}
+
+#[test]
+fn a_capture_maximum_the_rules_change_is_reported() {
+    let out = holdfast(&["plan", "--max-capture-size", "1000"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.contains("note: ") && err.contains("from 1000 to 128"), "stderr: {err}");
+    let out =
+        holdfast(&["simulate", "--quiet", "--requests", "2", "--modes", "none,full", "--max-capture-size", "1000"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.contains("note: FULL: ") && err.contains("from 1000 to 128"), "stderr: {err}");
+    // Sizes the rules keep as given draw no note.
+    let out = holdfast(&["plan", "--capture-sizes", "1,2,4"]);
+    assert!(!text(&out.stderr).contains("note:"), "stderr: {}", text(&out.stderr));
 }

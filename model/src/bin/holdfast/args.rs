@@ -97,6 +97,25 @@ impl Common {
         }
     }
 
+    /// What the capture-size rules changed in the user's sizes under `mode` (a maximum truncated
+    /// to the largest size it allows, sizes above the token budget dropped), one line each;
+    /// none where `mode` captures nothing or the sizes are refused (the runner says why).
+    pub fn capture_size_notes(&self, mode: GraphMode) -> Vec<String> {
+        if mode == GraphMode::None {
+            return Vec::new();
+        }
+        let mut size_cfg = holdfast_graph::CaptureSizeConfig::new(
+            mode,
+            u32::try_from(self.max_num_seqs).unwrap_or(u32::MAX),
+            u32::try_from(self.max_num_batched_tokens).unwrap_or(u32::MAX),
+        );
+        size_cfg.capture_sizes = self.capture_sizes.clone();
+        size_cfg.max_capture_size = self.max_capture_size;
+        holdfast_graph::CaptureSizes::build(&size_cfg)
+            .map(|s| s.warnings().iter().map(|w| format!("{mode}: {w}")).collect())
+            .unwrap_or_default()
+    }
+
     /// Opens `--backend`.
     pub fn device(&self) -> Result<Device, CliError> {
         Ok(Device::open(&self.backend)?)
@@ -106,15 +125,28 @@ impl Common {
     /// `ranks` consecutive devices from `--backend`'s ordinal (`cuda:2` with 2 ranks: `cuda:2`,
     /// `cuda:3`).
     pub fn devices(&self, ranks: usize) -> Result<Vec<Device>, CliError> {
-        if ranks <= 1 || self.backend == "cpu" {
-            return (0..ranks.max(1)).map(|_| self.device()).collect();
+        let first_device = self.device()?;
+        if ranks <= 1 || first_device.backend() == holdfast_hal::BackendKind::Cpu {
+            let mut all = vec![first_device];
+            for _ in 1..ranks {
+                all.push(self.device()?);
+            }
+            return Ok(all);
         }
         let (kind, first) = self
             .backend
+            .trim()
             .split_once(':')
-            .and_then(|(k, n)| n.parse::<usize>().ok().map(|n| (k, n)))
+            .and_then(|(k, n)| n.trim().parse::<usize>().ok().map(|n| (k.trim().to_ascii_lowercase(), n)))
             .ok_or_else(|| CliError::Usage(format!("--backend {}: expected cpu or KIND:N", self.backend)))?;
-        (first..first + ranks).map(|i| Ok(Device::open(&format!("{kind}:{i}"))?)).collect()
+        let mut all = vec![first_device];
+        for i in 1..ranks {
+            let ordinal = first.checked_add(i).ok_or_else(|| {
+                CliError::Usage(format!("--backend {}: {ranks} ranks from ordinal {first} overflow", self.backend))
+            })?;
+            all.push(Device::open(&format!("{kind}:{ordinal}"))?);
+        }
+        Ok(all)
     }
 }
 

@@ -54,6 +54,9 @@ pub fn run(a: &PlanArgs) -> Result<ExitCode, CliError> {
     let (model, cfg) = c.model_config()?;
     let dev = c.device()?;
     let runner = ModelRunner::new(&dev, &cfg, &c.settings(a.mode))?;
+    for note in c.capture_size_notes(runner.resolved().mode) {
+        eprintln!("note: {note}");
+    }
     let resolved = runner.resolved();
     let mut keys = std::collections::BTreeMap::new();
     for &(mode, desc) in runner.capture_order() {

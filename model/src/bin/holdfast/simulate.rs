@@ -142,19 +142,30 @@ pub fn run(a: &SimulateArgs) -> Result<ExitCode, CliError> {
             c.max_model_len
         )));
     }
-    // The report's file must be writable before any mode runs, not found unwritable after them.
+    // The report's file must be writable before any mode runs, not found unwritable after them;
+    // a file this check creates is removed again (a failed run leaves none behind).
     if let Some(path) = &a.json {
+        let existed = path.exists();
         std::fs::OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(false)
             .open(path)
             .map_err(|e| usage(format!("--json {}: {e}", path.display())))?;
+        if !existed {
+            // Best effort: the file is written in full after the modes ran.
+            let _ = std::fs::remove_file(path);
+        }
     }
     let (model, cfg) = c.model_config()?;
     // Every mode's settings are checked before the first mode runs.
     for &mode in &modes {
         ModelRunner::check(&cfg, &c.settings(mode))?;
+    }
+    for &mode in &modes {
+        for note in c.capture_size_notes(mode) {
+            eprintln!("note: {note}");
+        }
     }
     if a.tensor_parallel == 0 {
         return Err(usage("--tensor-parallel must be at least 1"));
