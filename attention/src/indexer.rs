@@ -916,6 +916,14 @@ fn shape(op: &'static str, detail: String) -> AttentionError {
     AttentionError::Shape { op, detail }
 }
 
+/// Floats of shared memory one indexer block stages for `heads` heads of `head_dim`: the
+/// queries (`heads × head_dim`), the head weights (`heads`) and a K row per warp
+/// (`INDEXER_WARPS × head_dim`); `None` past `usize`. [`Indexer::new`] takes at most
+/// [`INDEXER_MAX_SHARED_FLOATS`].
+pub fn indexer_staged_floats(heads: usize, head_dim: usize) -> Option<usize> {
+    heads.checked_mul(head_dim)?.checked_add(heads)?.checked_add((INDEXER_WARPS as usize).checked_mul(head_dim)?)
+}
+
 /// Compressed entries per sequence the indexer scores: `ceil(max_model_len / 4)`.
 pub fn indexer_max_compressed(max_model_len: usize) -> usize {
     max_model_len.div_ceil(RATIO)
@@ -964,12 +972,7 @@ impl Indexer {
         if heads == 0 || head_dim == 0 {
             return Err(shape(OP, format!("heads {heads} and head_dim {head_dim} must be positive")));
         }
-        let shared = heads
-            .checked_mul(head_dim)
-            .and_then(|v| v.checked_add(heads))
-            .and_then(|v| v.checked_add((INDEXER_WARPS as usize).checked_mul(head_dim)?))
-            .filter(|&v| v <= INDEXER_MAX_SHARED_FLOATS);
-        if shared.is_none() {
+        if indexer_staged_floats(heads, head_dim).is_none_or(|v| v > INDEXER_MAX_SHARED_FLOATS) {
             return Err(shape(
                 OP,
                 format!(

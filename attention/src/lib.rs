@@ -66,8 +66,8 @@ pub use common::{
 pub use compressor::{source as compressor_source, Compressor, CompressorWeights, COMPRESSOR_THREADS};
 pub use error::{AttentionError, Result};
 pub use indexer::{
-    indexer_max_compressed, source as indexer_source, Indexer, INDEXER_MAX_SHARED_FLOATS, INDEXER_WARPS, TOPK_MAX,
-    TOPK_THREADS,
+    indexer_max_compressed, indexer_staged_floats, source as indexer_source, Indexer, INDEXER_MAX_SHARED_FLOATS,
+    INDEXER_WARPS, TOPK_MAX, TOPK_THREADS,
 };
 pub use layer::LayerKind;
 pub use source::C4A_THREADS;

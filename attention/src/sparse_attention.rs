@@ -47,8 +47,8 @@
 //!   both warpgroups' reads, Q read), so neither waits for the other more than the data
 //!   requires; `tests/wg_handoffs.rs` runs a model of them under thousands of interleavings. f32
 //!   accumulation, the scores kept in base 2 (`s·scale·log2 e`) and exponentiated by the
-//!   multi-function unit's `2^x` (relative error below 2⁻²²). 215 328 bytes of shared memory, one block per multiprocessor. Its summation
-//!   order differs from the `mma.sync` kernel's (and
+//!   multi-function unit's `2^x` (relative error below 2⁻²²). 215 328 bytes of shared memory,
+//!   one block per multiprocessor. Its summation order differs from the `mma.sync` kernel's (and
 //!   with the split), so they agree within the bf16 bound, not bit for bit; each kernel at a
 //!   given split is batch-invariant on its own.
 //! - **portable** (any device, `head_dim` a multiple of the warp width up to 16 × warp): one block

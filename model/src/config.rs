@@ -320,7 +320,7 @@ impl ModelConfig {
         for (field, v, max) in [
             ("hidden_size", self.hidden_size, 1usize << 16),
             ("num_hidden_layers", self.num_hidden_layers, 1 << 12),
-            ("num_attention_heads", self.num_attention_heads, 1 << 12),
+            ("num_attention_heads", self.num_attention_heads, holdfast_attention::MAX_HEADS),
             ("q_lora_rank", self.q_lora_rank, 1 << 16),
             ("o_lora_rank", self.o_lora_rank, 1 << 16),
             ("o_groups", self.o_groups, 1 << 12),
@@ -421,7 +421,7 @@ impl ModelConfig {
             // heads' queries and weights and a K row per warp in shared memory, and top-k keeps at
             // most TOPK_MAX entries.
             let (h, d) = (self.index_n_heads, self.index_head_dim);
-            let floats = h * d + h + holdfast_attention::INDEXER_WARPS as usize * d;
+            let floats = holdfast_attention::indexer_staged_floats(h, d).unwrap_or(usize::MAX);
             if floats > holdfast_attention::INDEXER_MAX_SHARED_FLOATS {
                 return Err(err(
                     "index_n_heads",

@@ -4,9 +4,9 @@ use std::path::PathBuf;
 use std::str::FromStr;
 
 use clap::{Args, Parser, Subcommand};
-use holdfast_graph::GraphMode;
+use holdfast_graph::{CaptureSizeConfig, CaptureSizes, GraphMode};
 use holdfast_hal::Device;
-use holdfast_model::{ModelConfig, RunnerSettings};
+use holdfast_model::{ModelConfig, ModelError, RunnerSettings};
 
 use crate::error::CliError;
 
@@ -97,21 +97,27 @@ impl Common {
         }
     }
 
-    /// What the capture-size rules changed in the user's sizes under `mode` (a maximum truncated
-    /// to the largest size it allows, sizes above the token budget dropped), one line each;
-    /// none where `mode` captures nothing or the sizes are refused (the runner says why).
-    pub fn capture_size_notes(&self, mode: GraphMode) -> Vec<String> {
+    /// The capture sizes the flags give under `mode` (none where `mode` captures nothing), as
+    /// the runner builds them from the same settings.
+    pub fn capture_sizes(&self, mode: GraphMode) -> Result<CaptureSizes, CliError> {
         if mode == GraphMode::None {
-            return Vec::new();
+            return Ok(CaptureSizes::empty());
         }
-        let mut size_cfg = holdfast_graph::CaptureSizeConfig::new(
+        let mut size_cfg = CaptureSizeConfig::new(
             mode,
             u32::try_from(self.max_num_seqs).unwrap_or(u32::MAX),
             u32::try_from(self.max_num_batched_tokens).unwrap_or(u32::MAX),
         );
         size_cfg.capture_sizes = self.capture_sizes.clone();
         size_cfg.max_capture_size = self.max_capture_size;
-        holdfast_graph::CaptureSizes::build(&size_cfg)
+        Ok(CaptureSizes::build(&size_cfg).map_err(ModelError::from)?)
+    }
+
+    /// What the capture-size rules changed in the user's sizes under `mode` (a maximum truncated
+    /// to the largest size it allows, sizes above the token budget dropped), one line each;
+    /// none where `mode` captures nothing or the sizes are refused (the runner says why).
+    pub fn capture_size_notes(&self, mode: GraphMode) -> Vec<String> {
+        self.capture_sizes(mode)
             .map(|s| s.warnings().iter().map(|w| format!("{mode}: {w}")).collect())
             .unwrap_or_default()
     }

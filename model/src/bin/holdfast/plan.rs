@@ -4,8 +4,8 @@
 
 use std::process::ExitCode;
 
-use holdfast_graph::{CaptureSizeConfig, CaptureSizes, GraphMode, RuntimeMode, WORKSPACE};
-use holdfast_model::{ModelError, ModelRunner};
+use holdfast_graph::{RuntimeMode, WORKSPACE};
+use holdfast_model::ModelRunner;
 use serde::Serialize;
 
 use crate::args::PlanArgs;
@@ -54,10 +54,12 @@ pub fn run(a: &PlanArgs) -> Result<ExitCode, CliError> {
     let (model, cfg) = c.model_config()?;
     let dev = c.device()?;
     let runner = ModelRunner::new(&dev, &cfg, &c.settings(a.mode))?;
-    for note in c.capture_size_notes(runner.resolved().mode) {
-        eprintln!("note: {note}");
-    }
     let resolved = runner.resolved();
+    // The runner built its dispatcher from these sizes (and accepted them, so this cannot fail).
+    let sizes = c.capture_sizes(resolved.mode)?;
+    for w in sizes.warnings() {
+        eprintln!("note: {}: {w}", resolved.mode);
+    }
     let mut keys = std::collections::BTreeMap::new();
     for &(mode, desc) in runner.capture_order() {
         keys.entry(mode.as_str()).or_insert_with(Vec::new).push(Key {
@@ -66,16 +68,7 @@ pub fn run(a: &PlanArgs) -> Result<ExitCode, CliError> {
             uniform: desc.uniform,
         });
     }
-    // The runner built its dispatcher from these sizes (and accepted them, so this cannot fail).
-    let capture_sizes = if resolved.mode == GraphMode::None {
-        Vec::new()
-    } else {
-        let mut size_cfg =
-            CaptureSizeConfig::new(resolved.mode, c.max_num_seqs as u32, c.max_num_batched_tokens as u32);
-        size_cfg.capture_sizes = c.capture_sizes.clone();
-        size_cfg.max_capture_size = c.max_capture_size;
-        CaptureSizes::build(&size_cfg).map_err(ModelError::from)?.sizes().to_vec()
-    };
+    let capture_sizes = sizes.sizes().to_vec();
     let arena = runner.forward().arena();
     let plan = Plan {
         model,
