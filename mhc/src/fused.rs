@@ -5,7 +5,7 @@ use holdfast_hal::{bf16, Stream, View};
 
 use crate::error::Result;
 use crate::ops::{disjoint, len, MhcOps, MhcPreOutputs, MhcPreWeights};
-use crate::params::MhcPreParams;
+use crate::params::{MhcOp, MhcPreParams};
 use crate::plan::Reduce;
 use crate::HC_MULT;
 
@@ -64,6 +64,34 @@ impl MhcOps {
         ];
         disjoint(op, &outputs, &inputs, Some(("residual_out", "residual")))?;
         if t == 0 {
+            return Ok(());
+        }
+        if let Some((config, cluster)) = self.cluster_launch(MhcOp::FusedPostPre, t) {
+            stream.launch_cluster_dependent(
+                &self.kernels.fused_post_pre_cluster,
+                config,
+                cluster,
+                &[
+                    input.x.into(),
+                    input.residual.into(),
+                    input.post.into(),
+                    input.comb.into(),
+                    weights.hc_fn.into(),
+                    weights.scale.into(),
+                    weights.base.into(),
+                    residual_out.into(),
+                    out.post.into(),
+                    out.comb.into(),
+                    out.layer_input.into(),
+                    (t as u32).into(),
+                    (h as u32).into(),
+                    params.rms_eps.into(),
+                    params.pre_eps.into(),
+                    params.sinkhorn_eps.into(),
+                    params.post_mult.into(),
+                    params.sinkhorn_iters.into(),
+                ],
+            )?;
             return Ok(());
         }
         let p = self.reduce_plan(Reduce::Fused, t);

@@ -6,7 +6,7 @@ use crate::error::Result;
 use crate::ops::{disjoint, len, HcHeadWeights, MhcOps};
 use crate::params::HcHeadParams;
 use crate::params::MhcOp;
-use crate::plan::{self, Reduce};
+use crate::plan::Reduce;
 use crate::HC_MULT;
 
 impl MhcOps {
@@ -40,11 +40,11 @@ impl MhcOps {
         if t == 0 {
             return Ok(());
         }
-        if self.uses_clusters(MhcOp::HcHead) {
+        if let Some((config, cluster)) = self.cluster_launch(MhcOp::HcHead, t) {
             stream.launch_cluster_dependent(
                 &self.kernels.hc_head_cluster,
-                plan::cluster_head(t, h, self.head_cluster_slots),
-                plan::cluster_blocks(h) as u32,
+                config,
+                cluster,
                 &[
                     residual.into(),
                     weights.hc_fn.into(),

@@ -4,7 +4,7 @@ use holdfast_hal::{bf16, Stream, View};
 
 use crate::error::Result;
 use crate::ops::{disjoint, MhcOps, MhcPreOutputs, MhcPreWeights};
-use crate::params::MhcPreParams;
+use crate::params::{MhcOp, MhcPreParams};
 use crate::plan::Reduce;
 
 impl MhcOps {
@@ -12,7 +12,8 @@ impl MhcOps {
     /// token's flattened row (`D = n·H`), then `post [T, n] = sigmoid(mixes[n..2n]·s1 + b) ·
     /// post_mult`, `comb [T, n, n] = sinkhorn(mixes[2n..]·s2 + b)` and `layer_input [T, H] =
     /// Σ_i pre_i · residual_i` with `pre = sigmoid(mixes[..n]·s0 + b) + pre_eps`. One launch (none
-    /// for `T = 0`; two where [`crate::MhcPasses`] takes two). Outputs must not overlap inputs or
+    /// for `T = 0`; two where [`crate::MhcPasses`] takes two; a cluster launch where it takes
+    /// clusters). Outputs must not overlap inputs or
     /// each other.
     pub fn pre(
         &self,
@@ -36,6 +37,30 @@ impl MhcOps {
         let outputs = [("post", out.post.raw()), ("comb", out.comb.raw()), ("layer_input", out.layer_input.raw())];
         disjoint(op, &outputs, &inputs, None)?;
         if t == 0 {
+            return Ok(());
+        }
+        if let Some((config, cluster)) = self.cluster_launch(MhcOp::Pre, t) {
+            stream.launch_cluster_dependent(
+                &self.kernels.pre_cluster,
+                config,
+                cluster,
+                &[
+                    residual.into(),
+                    weights.hc_fn.into(),
+                    weights.scale.into(),
+                    weights.base.into(),
+                    out.post.into(),
+                    out.comb.into(),
+                    out.layer_input.into(),
+                    (t as u32).into(),
+                    (self.config.hidden as u32).into(),
+                    params.rms_eps.into(),
+                    params.pre_eps.into(),
+                    params.sinkhorn_eps.into(),
+                    params.post_mult.into(),
+                    params.sinkhorn_iters.into(),
+                ],
+            )?;
             return Ok(());
         }
         let p = self.reduce_plan(Reduce::Pre, t);
