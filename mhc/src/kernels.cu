@@ -696,6 +696,26 @@ __device__ __forceinline__ void mhc_mma_tile(uint32_t base, uint32_t tm, uint32_
     }
 }
 
+// Row g + 8 rr of the m-tile in the lane's slots at `base` (token t): the fused op's post-mixed
+// pieces to residual_out, and layer_input's 8 h at h0 = Σ_i gate[i] · piece_i (fused multiply-adds
+// from 0 in stream order, as the finish items compute it).
+template <bool FUSED, bool VEC>
+__device__ __forceinline__ void mhc_mma_row_out(uint32_t base, int rr, uint64_t t, uint32_t h0, uint32_t H,
+                                                const float* gate, hf_bf16* residual_out, hf_bf16* layer_input) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < MHC_N; ++i) {
+        const mhc_u32x4 piece = mhc_lds16(base + 512u * (2 * i + rr));
+        if (FUSED) mhc_store8<VEC>(residual_out + (t * MHC_N + i) * H, h0, H, piece);
+        float v[8];
+        mhc_unpack(piece, v);
+        const float gi = gate[i];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = fmaf(gi, v[e], acc[e]);
+    }
+    mhc_store8<VEC>(layer_input + t * H, h0, H, mhc_repack(acc));
+}
+
 // The block's sum of value v of m-tile row `row` over the 8 warps' reduction rows `rb` ([8][16][V]),
 // in warp order: the (token, split) partial.
 template <int V>
@@ -1156,22 +1176,7 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
             for (int rr = 0; rr < 2; ++rr) {
                 const uint32_t u = 16 * m + g + 8 * rr;
                 if (u >= count) continue;
-                const uint64_t t = t_begin + u;
-                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int i = 0; i < MHC_N; ++i) {
-                    const mhc_u32x4 piece = mhc_lds16(base + 512u * (2 * i + rr));
-                    if (FUSED) {
-                        hf_bf16* row = a.residual_out + (t * MHC_N + i) * H;
-                        mhc_store8<VEC>(row, h0, H, piece);
-                    }
-                    float v[8];
-                    mhc_unpack(piece, v);
-                    const float gi = s_tile[u][i];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(gi, v[e], acc[e]);
-                }
-                mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
+                mhc_mma_row_out<FUSED, VEC>(base, rr, t_begin + u, h0, H, s_tile[u], a.residual_out, a.layer_input);
             }
         }
     }
@@ -1933,20 +1938,8 @@ __device__ void mhc_pre_cluster_body(const MhcPreArgs& a, MhcCpShared& sh) {
 #pragma unroll
             for (int rr = 0; rr < 2; ++rr) {
                 const uint32_t u = g + 8u * rr;
-                const uint64_t t = t0 + u;
-                if (t >= a.T) continue;
-                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int i = 0; i < MHC_N; ++i) {
-                    const mhc_u32x4 piece = mhc_lds16(base + 512u * (2 * i + rr));
-                    if (FUSED) mhc_store8<VEC>(a.residual_out + (t * MHC_N + i) * H, h0, H, piece);
-                    float v[8];
-                    mhc_unpack(piece, v);
-                    const float gi = s_gate[u][i];
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(gi, v[e], acc[e]);
-                }
-                mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
+                if (t0 + u < a.T)
+                    mhc_mma_row_out<FUSED, VEC>(base, rr, t0 + u, h0, H, s_gate[u], a.residual_out, a.layer_input);
             }
         }
     };

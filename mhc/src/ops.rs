@@ -1,6 +1,6 @@
 //! [`MhcOps`]: the launchers, their configuration and their workspace.
 
-use holdfast_hal::{bf16, Buffer, Device, LaunchConfig, RawView, Stream, View};
+use holdfast_hal::{bf16, Arg, Buffer, Device, LaunchConfig, RawView, Stream, View};
 
 use crate::error::{MhcError, Result};
 use crate::kernels::MhcKernels;
@@ -341,27 +341,40 @@ impl MhcOps {
     ) -> Result<()> {
         let Some(config) = plan.finish else { return Ok(()) };
         let tokens = out.post.len() / HC_MULT;
-        stream.launch_dependent(
-            &self.kernels.pre_finish,
-            config,
-            &[
-                residual.into(),
-                weights.scale.into(),
-                weights.base.into(),
-                out.post.into(),
-                out.comb.into(),
-                out.layer_input.into(),
-                (&self.partials).into(),
-                (tokens as u32).into(),
-                (self.config.hidden as u32).into(),
-                params.rms_eps.into(),
-                params.pre_eps.into(),
-                params.sinkhorn_eps.into(),
-                params.post_mult.into(),
-                params.sinkhorn_iters.into(),
-            ],
-        )?;
+        let io: [Arg; 7] = [
+            residual.into(),
+            weights.scale.into(),
+            weights.base.into(),
+            out.post.into(),
+            out.comb.into(),
+            out.layer_input.into(),
+            (&self.partials).into(),
+        ];
+        stream.launch_dependent(&self.kernels.pre_finish, config, &[io, self.pre_scalars(tokens, params)].concat())?;
         Ok(())
+    }
+
+    /// The scalars every `mhc_pre` / fused kernel takes after its views: `T, H, rms_eps, pre_eps,
+    /// sinkhorn_eps, post_mult, sinkhorn_iters`.
+    pub(crate) fn pre_scalars(&self, tokens: usize, params: &MhcPreParams) -> [Arg; 7] {
+        [
+            (tokens as u32).into(),
+            (self.config.hidden as u32).into(),
+            params.rms_eps.into(),
+            params.pre_eps.into(),
+            params.sinkhorn_eps.into(),
+            params.post_mult.into(),
+            params.sinkhorn_iters.into(),
+        ]
+    }
+
+    /// A split-reduction launch's arguments: the views `io`, the workspace, the scalars, then the
+    /// plan's tile, finish tokens and flags.
+    pub(crate) fn with_workspace(&self, io: &[Arg], scalars: &[Arg], plan: &plan::ReducePlan) -> Vec<Arg> {
+        let workspace: [Arg; 2] = [(&self.partials).into(), (&self.sync).into()];
+        let shape: [Arg; 3] =
+            [(plan.tile_tokens as u32).into(), (plan.finish_tokens as u32).into(), plan.flags().into()];
+        [io, &workspace, scalars, &shape].concat()
     }
 
     pub(crate) fn check_pre_weights(&self, op: &'static str, w: &MhcPreWeights<'_>) -> Result<()> {

@@ -1,6 +1,6 @@
 //! `mhc_pre` (§6.2): gates, Sinkhorn-normalised stream mixing, and the sublayer's input.
 
-use holdfast_hal::{bf16, Stream, View};
+use holdfast_hal::{bf16, Arg, Stream, View};
 
 use crate::error::Result;
 use crate::ops::{disjoint, MhcOps, MhcPreOutputs, MhcPreWeights};
@@ -39,56 +39,22 @@ impl MhcOps {
         if t == 0 {
             return Ok(());
         }
+        let io: [Arg; 7] = [
+            residual.into(),
+            weights.hc_fn.into(),
+            weights.scale.into(),
+            weights.base.into(),
+            out.post.into(),
+            out.comb.into(),
+            out.layer_input.into(),
+        ];
+        let scalars = self.pre_scalars(t, params);
         if let Some((config, cluster)) = self.cluster_launch(MhcOp::Pre, t) {
-            stream.launch_cluster_dependent(
-                &self.kernels.pre_cluster,
-                config,
-                cluster,
-                &[
-                    residual.into(),
-                    weights.hc_fn.into(),
-                    weights.scale.into(),
-                    weights.base.into(),
-                    out.post.into(),
-                    out.comb.into(),
-                    out.layer_input.into(),
-                    (t as u32).into(),
-                    (self.config.hidden as u32).into(),
-                    params.rms_eps.into(),
-                    params.pre_eps.into(),
-                    params.sinkhorn_eps.into(),
-                    params.post_mult.into(),
-                    params.sinkhorn_iters.into(),
-                ],
-            )?;
+            stream.launch_cluster_dependent(&self.kernels.pre_cluster, config, cluster, &[io, scalars].concat())?;
             return Ok(());
         }
         let p = self.reduce_plan(Reduce::Pre, t);
-        stream.launch_dependent(
-            &self.kernels.pre,
-            p.config,
-            &[
-                residual.into(),
-                weights.hc_fn.into(),
-                weights.scale.into(),
-                weights.base.into(),
-                out.post.into(),
-                out.comb.into(),
-                out.layer_input.into(),
-                (&self.partials).into(),
-                (&self.sync).into(),
-                (t as u32).into(),
-                (self.config.hidden as u32).into(),
-                params.rms_eps.into(),
-                params.pre_eps.into(),
-                params.sinkhorn_eps.into(),
-                params.post_mult.into(),
-                params.sinkhorn_iters.into(),
-                (p.tile_tokens as u32).into(),
-                (p.finish_tokens as u32).into(),
-                p.flags().into(),
-            ],
-        )?;
+        stream.launch_dependent(&self.kernels.pre, p.config, &self.with_workspace(&io, &scalars, &p))?;
         self.launch_finish(stream, &p, residual, weights, params, out)
     }
 }
