@@ -497,14 +497,6 @@ __device__ __forceinline__ void hf_cluster_store_async_f32x4(float* p, uint32_t 
                  "r"(__float_as_uint(v.w)), "r"(remote_bar)
                  : "memory");
 }
-// One f32 at 4-byte-aligned shared-memory pointer p in block `rank`, completing 4 bytes of that
-// block's barrier at `bar` (as hf_cluster_store_async_f32x4).
-__device__ __forceinline__ void hf_cluster_store_async_f32(float* p, uint32_t rank, float v, const void* bar) {
-    const uint32_t remote = hf_cluster_map(p, rank), remote_bar = hf_cluster_map(bar, rank);
-    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote),
-                 "r"(__float_as_uint(v)), "r"(remote_bar)
-                 : "memory");
-}
 // The f32 at shared-memory pointer p (of this block's shared memory) in block `rank` of the cluster.
 __device__ __forceinline__ float hf_cluster_load_f32(const float* p, uint32_t rank) {
     const uint32_t remote = hf_cluster_map(p, rank);

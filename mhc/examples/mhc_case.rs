@@ -6,7 +6,7 @@
 //! ```
 //!
 //! `OP` is `hc_head`, `mhc_pre`, `mhc_post` or `mhc_fused_post_pre` (the names [`MhcOp::name`]
-//! gives); the op runs on the default path ([`MhcProjection::Auto`]; `MHC_PASSES=one|two|clusters` forces
+//! gives); the op runs on the default path ([`MhcProjection::Auto`]; `MHC_PASSES=one|two` forces
 //! [`MhcPasses`]) over patterned inputs. It
 //! prints the mean time per call over `ITERS` calls after as many warm-up calls, the bytes the op
 //! moves ([`MhcOp::bytes_moved`]) and their rate, and a hash of the outputs (equal hashes: equal
@@ -36,14 +36,13 @@ fn from_fn<T: Element>(dev: &Device, label: &str, len: usize, f: impl Fn(usize) 
     Ok(dev.alloc_from_slice(label, &v, true)?)
 }
 
-/// `MHC_PASSES` (`auto`, `one`, `two`, `clusters`; default `auto`): [`MhcPasses`].
+/// `MHC_PASSES` (`auto`, `one`, `two`; default `auto`): [`MhcPasses`].
 fn passes() -> Res<MhcPasses> {
     match std::env::var("MHC_PASSES").as_deref() {
         Err(_) | Ok("auto") => Ok(MhcPasses::Auto),
         Ok("one") => Ok(MhcPasses::One),
         Ok("two") => Ok(MhcPasses::Two),
-        Ok("clusters") => Ok(MhcPasses::Clusters),
-        Ok(other) => Err(format!("MHC_PASSES `{other}` (auto, one, two or clusters)").into()),
+        Ok(other) => Err(format!("MHC_PASSES `{other}` (auto, one or two)").into()),
     }
 }
 
@@ -125,12 +124,11 @@ fn run() -> Res<()> {
     }
     let bytes = op.bytes_moved(t, h);
     println!(
-        "{} ({}): H {h}, T {t}, {} launch(es) of {:?} blocks: {per_call:.1} µs per call, {bytes} bytes, {:.0} GB/s, \
-         output hash {hash:016x}",
+        "{} ({}): H {h}, T {t}, {} launch(es): {per_call:.1} µs per call, {bytes} bytes, {:.0} GB/s, output hash \
+         {hash:016x}",
         op.name(),
         dev.info().name,
         ops.launch_configs(op, t).len(),
-        ops.launch_configs(op, t).iter().map(|c| c.grid.0 * c.grid.1).collect::<Vec<_>>(),
         bytes as f64 / per_call / 1e3,
     );
     Ok(())

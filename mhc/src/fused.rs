@@ -1,11 +1,11 @@
 //! `mhc_fused_post_pre` (§6.4): one sublayer's post and the next sublayer's pre in one launch (two
 //! where [`crate::MhcPasses`] takes two).
 
-use holdfast_hal::{bf16, Arg, Stream, View};
+use holdfast_hal::{bf16, Stream, View};
 
 use crate::error::Result;
 use crate::ops::{disjoint, len, MhcOps, MhcPreOutputs, MhcPreWeights};
-use crate::params::{MhcOp, MhcPreParams};
+use crate::params::MhcPreParams;
 use crate::plan::Reduce;
 use crate::HC_MULT;
 
@@ -66,27 +66,36 @@ impl MhcOps {
         if t == 0 {
             return Ok(());
         }
-        let io: [Arg; 11] = [
-            input.x.into(),
-            input.residual.into(),
-            input.post.into(),
-            input.comb.into(),
-            weights.hc_fn.into(),
-            weights.scale.into(),
-            weights.base.into(),
-            residual_out.into(),
-            out.post.into(),
-            out.comb.into(),
-            out.layer_input.into(),
-        ];
-        let scalars = self.pre_scalars(t, params);
-        if let Some((config, cluster)) = self.cluster_launch(MhcOp::FusedPostPre, t) {
-            let args = [&io[..], &scalars].concat();
-            stream.launch_cluster_dependent(&self.kernels.fused_post_pre_cluster, config, cluster, &args)?;
-            return Ok(());
-        }
         let p = self.reduce_plan(Reduce::Fused, t);
-        stream.launch_dependent(&self.kernels.fused_post_pre, p.config, &self.with_workspace(&io, &scalars, &p))?;
+        stream.launch_dependent(
+            &self.kernels.fused_post_pre,
+            p.config,
+            &[
+                input.x.into(),
+                input.residual.into(),
+                input.post.into(),
+                input.comb.into(),
+                weights.hc_fn.into(),
+                weights.scale.into(),
+                weights.base.into(),
+                residual_out.into(),
+                out.post.into(),
+                out.comb.into(),
+                out.layer_input.into(),
+                (&self.partials).into(),
+                (&self.sync).into(),
+                (t as u32).into(),
+                (h as u32).into(),
+                params.rms_eps.into(),
+                params.pre_eps.into(),
+                params.sinkhorn_eps.into(),
+                params.post_mult.into(),
+                params.sinkhorn_iters.into(),
+                (p.tile_tokens as u32).into(),
+                (p.finish_tokens as u32).into(),
+                p.flags().into(),
+            ],
+        )?;
         self.launch_finish(stream, &p, residual_out, weights, params, out)
     }
 }

@@ -6,7 +6,7 @@ use crate::error::Result;
 use crate::ops::{disjoint, len, HcHeadWeights, MhcOps};
 use crate::params::HcHeadParams;
 use crate::params::MhcOp;
-use crate::plan::Reduce;
+use crate::plan::{self, Reduce};
 use crate::HC_MULT;
 
 impl MhcOps {
@@ -40,11 +40,11 @@ impl MhcOps {
         if t == 0 {
             return Ok(());
         }
-        if let Some((config, cluster)) = self.cluster_launch(MhcOp::HcHead, t) {
+        if self.uses_clusters(MhcOp::HcHead) {
             stream.launch_cluster_dependent(
                 &self.kernels.hc_head_cluster,
-                config,
-                cluster,
+                plan::cluster_head(t, h, self.head_cluster_slots),
+                plan::cluster_blocks(h) as u32,
                 &[
                     residual.into(),
                     weights.hc_fn.into(),

@@ -585,147 +585,6 @@ __device__ __forceinline__ float* mhc_gate_copy(float* partials, uint32_t T, uin
     return partials + ((((uint64_t)T * S * V) + 3u) & ~(uint64_t)3u);
 }
 
-// B fragments of the lane's k-range (h0 of every stream) for the J rows of fn: column n = 8 nt +
-// g, the lane's 8 k of stream c; word w holds elements 2w, 2w+1 (hi = bf16(fn), lo = bf16(fn - hi)).
-template <int J, bool VEC>
-__device__ __forceinline__ void mhc_mma_weights(const float* __restrict__ fn, uint32_t H, uint32_t h0, uint32_t g,
-                                                uint32_t (&bhi)[MHC_N][(J + 7) / 8][4],
-                                                uint32_t (&blo)[MHC_N][(J + 7) / 8][4]) {
-    constexpr int NT = (J + 7) / 8;
-    const uint32_t D = MHC_N * H;
-#pragma unroll
-    for (int c = 0; c < MHC_N; ++c)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const uint32_t n = nt * 8 + g;
-            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            if (n < (uint32_t)J && h0 < H) {
-                const float* src = fn + (uint64_t)n * D + (uint64_t)c * H + h0;
-                mhc_load_f8<VEC>(src, VEC ? 8u : H - h0, f);
-            }
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const uint32_t hi = hf_pack_bf16x2_any_nan(f[2 * w], f[2 * w + 1]);
-                bhi[c][nt][w] = hi;
-                blo[c][nt][w] = hf_pack_bf16x2_any_nan(f[2 * w] - mhc_lo(hi), f[2 * w + 1] - mhc_hi(hi));
-            }
-        }
-}
-
-// One m-tile (tokens [tm, tm + 16), those from t_end on zero) of the warp: its pieces from the
-// lane's slots at `base` (the fused op's post-mixed first: written back to the slots, or with RING
-// to residual_out instead), the MMAs, and the warp's results into r = its [16][V] reduction rows
-// (value 0 Σx², 1 + n dot n). The caller syncs the block before the warps' rows are summed.
-template <int J, bool FUSED, bool VEC, bool RING>
-__device__ __forceinline__ void mhc_mma_tile(uint32_t base, uint32_t tm, uint32_t t_end, uint32_t g, uint32_t q,
-                                             uint32_t h0, uint32_t H, const float* __restrict__ post_in,
-                                             const float* __restrict__ comb_in, hf_bf16* __restrict__ residual_out,
-                                             const uint32_t (&bhi)[MHC_N][(J + 7) / 8][4],
-                                             const uint32_t (&blo)[MHC_N][(J + 7) / 8][4], float* r) {
-    constexpr int V = J + 1;
-    constexpr int NT = (J + 7) / 8;
-    mhc_u32x4 p[MHC_N][2];
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-#pragma unroll
-        for (int c = 0; c < MHC_N; ++c) p[c][rr] = mhc_lds16(base + 512u * (2 * c + rr));
-        if (FUSED) {
-            const uint64_t t = tm + g + 8 * rr;
-            if (t < t_end) {
-                float coef[MHC_N + MHC_N * MHC_N];
-#pragma unroll
-                for (int i = 0; i < MHC_N; ++i) coef[i] = post_in[t * MHC_N + i];
-#pragma unroll
-                for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = comb_in[t * MHC_N * MHC_N + i];
-                mhc_u32x4 ru[MHC_N], mixed[MHC_N];
-#pragma unroll
-                for (int c = 0; c < MHC_N; ++c) ru[c] = p[c][rr];
-                mhc_post_mix(mhc_lds16(base + 512u * (2 * MHC_N + rr)), ru, coef, mixed);
-#pragma unroll
-                for (int c = 0; c < MHC_N; ++c) {
-                    p[c][rr] = mixed[c];
-                    if (!RING)
-                        mhc_sts16(base + 512u * (2 * c + rr), mixed[c]);
-                    else if (h0 < H)
-                        mhc_store8<VEC>(residual_out + (t * MHC_N + c) * H, h0, H, mixed[c]);
-                }
-            }
-        }
-    }
-    float acc[NT][4];
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-    // Σx² of the warp's 128 k per token on the tensor cores too: X·Xᵀ of the m-tile, whose B
-    // fragments are the lane's own A pieces (row g of rows 0-7, then of rows 8-15); token g's
-    // sum is diagonal element (g, g) of the first, token g + 8's (g + 8, g) of the second,
-    // both held by lane (g, q = g / 2).
-    float sq[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-    for (int c = 0; c < MHC_N; ++c) {
-        const uint32_t a0[4] = {p[c][0].x, p[c][1].x, p[c][0].y, p[c][1].y};
-        const uint32_t a1[4] = {p[c][0].z, p[c][1].z, p[c][0].w, p[c][1].w};
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            hf_mma_bf16(acc[nt], a0, bhi[c][nt][0], bhi[c][nt][1]);
-            hf_mma_bf16(acc[nt], a1, bhi[c][nt][2], bhi[c][nt][3]);
-            hf_mma_bf16(acc[nt], a0, blo[c][nt][0], blo[c][nt][1]);
-            hf_mma_bf16(acc[nt], a1, blo[c][nt][2], blo[c][nt][3]);
-        }
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-            hf_mma_bf16(sq[rr], a0, p[c][rr].x, p[c][rr].y);
-            hf_mma_bf16(sq[rr], a1, p[c][rr].z, p[c][rr].w);
-        }
-    }
-    const bool odd = (g & 1u) != 0u;
-    const float ss[2] = {odd ? sq[0][1] : sq[0][0], odd ? sq[1][3] : sq[1][2]};
-    const bool holds_ss = q == (g >> 1);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const uint32_t n = nt * 8 + 2 * q + e;
-            if (n < (uint32_t)J) {
-                r[g * V + 1 + n] = acc[nt][e];
-                r[(g + 8) * V + 1 + n] = acc[nt][2 + e];
-            }
-        }
-    if (holds_ss) {
-        r[g * V] = ss[0];
-        r[(g + 8) * V] = ss[1];
-    }
-}
-
-// Row g + 8 rr of the m-tile in the lane's slots at `base` (token t): the fused op's post-mixed
-// pieces to residual_out, and layer_input's 8 h at h0 = Σ_i gate[i] · piece_i (fused multiply-adds
-// from 0 in stream order, as the finish items compute it).
-template <bool FUSED, bool VEC>
-__device__ __forceinline__ void mhc_mma_row_out(uint32_t base, int rr, uint64_t t, uint32_t h0, uint32_t H,
-                                                const float* gate, hf_bf16* residual_out, hf_bf16* layer_input) {
-    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int i = 0; i < MHC_N; ++i) {
-        const mhc_u32x4 piece = mhc_lds16(base + 512u * (2 * i + rr));
-        if (FUSED) mhc_store8<VEC>(residual_out + (t * MHC_N + i) * H, h0, H, piece);
-        float v[8];
-        mhc_unpack(piece, v);
-        const float gi = gate[i];
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[e] = fmaf(gi, v[e], acc[e]);
-    }
-    mhc_store8<VEC>(layer_input + t * H, h0, H, mhc_repack(acc));
-}
-
-// The block's sum of value v of m-tile row `row` over the 8 warps' reduction rows `rb` ([8][16][V]),
-// in warp order: the (token, split) partial.
-template <int V>
-__device__ __forceinline__ float mhc_warp_sum(const float* rb, uint32_t row, uint32_t v) {
-    float a = rb[row * V + v];
-#pragma unroll
-    for (int w = 1; w < MHC_MMA_WARPS; ++w) a = a + rb[(w * 16 + row) * V + v];
-    return a;
-}
-
 // VEC: 16-byte copies and loads (H % 8 == 0, aligned pointers), else element loads; the same
 // values either way, so the same bits (a template parameter, so each executed path is one straight
 // run of instructions: at decode sizes the kernel's time goes to fetching them).
@@ -748,6 +607,7 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
     float* red = reinterpret_cast<float*>(mhc_dyn + stages * Smem::stage_bytes);  // [2][8][16][V]
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
     const uint32_t h0 = split * MHC_SPLIT_H + warp * 32 + q * 8;
+    const uint32_t D = MHC_N * H;
     const uint32_t slot = hf_smem_addr(mhc_dyn) + warp * Smem::warp_bytes + lane * 16;
     const uint32_t M = (t_end - t_begin + 15) / 16;
 
@@ -759,8 +619,26 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
                                          h0);
         hf_cp_async_commit();
     }
+
+    // B fragments: column n = 8 nt + g, the lane's 8 k of stream c; word w holds elements 2w, 2w+1.
     uint32_t bhi[MHC_N][NT][4], blo[MHC_N][NT][4];
-    mhc_mma_weights<J, VEC>(fn, H, h0, g, bhi, blo);
+#pragma unroll
+    for (int c = 0; c < MHC_N; ++c)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint32_t n = nt * 8 + g;
+            float f[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            if (n < (uint32_t)J && h0 < H) {
+                const float* src = fn + (uint64_t)n * D + (uint64_t)c * H + h0;
+                mhc_load_f8<VEC>(src, VEC ? 8u : H - h0, f);
+            }
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const uint32_t hi = hf_pack_bf16x2_any_nan(f[2 * w], f[2 * w + 1]);
+                bhi[c][nt][w] = hi;
+                blo[c][nt][w] = hf_pack_bf16x2_any_nan(f[2 * w] - mhc_lo(hi), f[2 * w + 1] - mhc_hi(hi));
+            }
+        }
 
 #pragma unroll 1
     for (uint32_t m = 0; m < M; ++m) {
@@ -772,17 +650,88 @@ __device__ void mhc_project_mma(const hf_bf16* __restrict__ residual, const hf_b
             hf_cp_async_commit();
         }
         hf_cp_async_wait<ST - 1>();
+        const uint32_t base = slot + (RING ? m % ST : m) * Smem::stage_bytes;
         const uint32_t tm = t_begin + 16 * m;
-        mhc_mma_tile<J, FUSED, VEC, RING>(slot + (RING ? m % ST : m) * Smem::stage_bytes, tm, t_end, g, q, h0, H,
-                                          post_in, comb_in, residual_out, bhi, blo,
-                                          red + ((m & 1) * MHC_MMA_WARPS + warp) * 16 * V);
+        mhc_u32x4 p[MHC_N][2];
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+#pragma unroll
+            for (int c = 0; c < MHC_N; ++c) p[c][rr] = mhc_lds16(base + 512u * (2 * c + rr));
+            if (FUSED) {
+                const uint64_t t = tm + g + 8 * rr;
+                if (t < t_end) {
+                    float coef[MHC_N + MHC_N * MHC_N];
+#pragma unroll
+                    for (int i = 0; i < MHC_N; ++i) coef[i] = post_in[t * MHC_N + i];
+#pragma unroll
+                    for (int i = 0; i < MHC_N * MHC_N; ++i) coef[MHC_N + i] = comb_in[t * MHC_N * MHC_N + i];
+                    mhc_u32x4 ru[MHC_N], mixed[MHC_N];
+#pragma unroll
+                    for (int c = 0; c < MHC_N; ++c) ru[c] = p[c][rr];
+                    mhc_post_mix(mhc_lds16(base + 512u * (2 * MHC_N + rr)), ru, coef, mixed);
+#pragma unroll
+                    for (int c = 0; c < MHC_N; ++c) {
+                        p[c][rr] = mixed[c];
+                        if (!RING)
+                            mhc_sts16(base + 512u * (2 * c + rr), mixed[c]);
+                        else if (h0 < H)
+                            mhc_store8<VEC>(residual_out + (t * MHC_N + c) * H, h0, H, mixed[c]);
+                    }
+                }
+            }
+        }
+        float acc[NT][4];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+        // Σx² of the warp's 128 k per token on the tensor cores too: X·Xᵀ of the m-tile, whose B
+        // fragments are the lane's own A pieces (row g of rows 0-7, then of rows 8-15); token g's
+        // sum is diagonal element (g, g) of the first, token g + 8's (g + 8, g) of the second,
+        // both held by lane (g, q = g / 2).
+        float sq[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int c = 0; c < MHC_N; ++c) {
+            const uint32_t a0[4] = {p[c][0].x, p[c][1].x, p[c][0].y, p[c][1].y};
+            const uint32_t a1[4] = {p[c][0].z, p[c][1].z, p[c][0].w, p[c][1].w};
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                hf_mma_bf16(acc[nt], a0, bhi[c][nt][0], bhi[c][nt][1]);
+                hf_mma_bf16(acc[nt], a1, bhi[c][nt][2], bhi[c][nt][3]);
+                hf_mma_bf16(acc[nt], a0, blo[c][nt][0], blo[c][nt][1]);
+                hf_mma_bf16(acc[nt], a1, blo[c][nt][2], blo[c][nt][3]);
+            }
+#pragma unroll
+            for (int rr = 0; rr < 2; ++rr) {
+                hf_mma_bf16(sq[rr], a0, p[c][rr].x, p[c][rr].y);
+                hf_mma_bf16(sq[rr], a1, p[c][rr].z, p[c][rr].w);
+            }
+        }
+        const bool odd = (g & 1u) != 0u;
+        const float ss[2] = {odd ? sq[0][1] : sq[0][0], odd ? sq[1][3] : sq[1][2]};
+        const bool holds_ss = q == (g >> 1);
+        float* r = red + ((m & 1) * MHC_MMA_WARPS + warp) * 16 * V;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const uint32_t n = nt * 8 + 2 * q + e;
+                if (n < (uint32_t)J) {
+                    r[g * V + 1 + n] = acc[nt][e];
+                    r[(g + 8) * V + 1 + n] = acc[nt][2 + e];
+                }
+            }
+        if (holds_ss) {
+            r[g * V] = ss[0];
+            r[(g + 8) * V] = ss[1];
+        }
         __syncthreads();
         const float* rb = red + (m & 1) * MHC_MMA_WARPS * 16 * V;
         for (uint32_t idx = threadIdx.x; idx < 16u * V; idx += MHC_THREADS) {
             const uint32_t row = idx / V, v = idx % V;
             const uint64_t t = tm + row;
             if (t < t_end) {
-                const float a = mhc_warp_sum<V>(rb, row, v);
+                float a = rb[row * V + v];
+#pragma unroll
+                for (int w = 1; w < MHC_MMA_WARPS; ++w) a = a + rb[(w * 16 + row) * V + v];
                 partials[(t * S + split) * V + v] = a;
                 if (gcopy != nullptr && v <= MHC_N) gcopy[(t * (1 + MHC_N) + v) * mhc_split_pad(S) + split] = a;
             }
@@ -1055,11 +1004,10 @@ __device__ void mhc_head_body(const hf_bf16* residual, const float* fn, const fl
 // token: lane l holds comb element (l / 4, l % 4); lanes 0..3 also pre and post. Only the warps
 // that hold tokens take part (no barrier).
 __device__ __forceinline__ void mhc_post_comb(const MhcPreArgs& a, uint32_t t0, uint32_t count,
-                                              const float (*s_sum)[32], float (*s_pre)[MHC_N],
-                                              uint32_t thread = threadIdx.x) {
+                                              const float (*s_sum)[32], float (*s_pre)[MHC_N]) {
     constexpr uint32_t L = MHC_N * MHC_N;
-    if (thread / 32 >= (count * L + 31) / 32) return;  // warp-uniform
-    const uint32_t u = thread / L, l = thread % L;
+    if (threadIdx.x / 32 >= (count * L + 31) / 32) return;  // warp-uniform
+    const uint32_t u = threadIdx.x / L, l = threadIdx.x % L;
     const bool valid = u < count;
     const float ss = valid ? s_sum[u][0] : 1.0f;
     const float r = mhc_rms_factor(ss, MHC_N * a.H, a.rms_eps);
@@ -1176,7 +1124,22 @@ __device__ void mhc_resident_item(const MhcPreArgs& a, uint32_t ticket) {
             for (int rr = 0; rr < 2; ++rr) {
                 const uint32_t u = 16 * m + g + 8 * rr;
                 if (u >= count) continue;
-                mhc_mma_row_out<FUSED, VEC>(base, rr, t_begin + u, h0, H, s_tile[u], a.residual_out, a.layer_input);
+                const uint64_t t = t_begin + u;
+                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int i = 0; i < MHC_N; ++i) {
+                    const mhc_u32x4 piece = mhc_lds16(base + 512u * (2 * i + rr));
+                    if (FUSED) {
+                        hf_bf16* row = a.residual_out + (t * MHC_N + i) * H;
+                        mhc_store8<VEC>(row, h0, H, piece);
+                    }
+                    float v[8];
+                    mhc_unpack(piece, v);
+                    const float gi = s_tile[u][i];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[e] = fmaf(gi, v[e], acc[e]);
+                }
+                mhc_store8<VEC>(a.layer_input + t * H, h0, H, mhc_repack(acc));
             }
         }
     }
@@ -1754,260 +1717,4 @@ HF_KERNEL void __launch_bounds__(MHC_CL_THREADS, 2)
     hf_cp_async_wait_all();  // the last (empty) groups: no copy outlives the block
     hf_cluster_sync();  // no block leaves before every store into the inboxes landed
 #endif
-}
-
-// ---- mhc_pre and the fused op on thread-block clusters (NVIDIA sm_90+; Stream::launch_cluster) ---
-// One launch that reads the residual once and never waits on global memory: clusters of S =
-// ceil(H / 256) blocks (2 to 16: the host's check), block `rank` the split `rank`, each holding its
-// split's fn fragments in registers for the whole launch (mhc_mma_weights). Cluster c takes the
-// m-tiles (16 tokens) c, c + C, c + 2C, ... (C clusters, the most the device runs at once). A
-// block is 8 MMA warps and one post/comb warp. Per m-tile (step j) the MMA warps
-//   1. form their split's partials exactly as the streamed projection does (mhc_mma_tile, then the
-//      warps' rows summed in warp order: the same bits as the partials in global memory);
-//   2. push them (st.async into every block's shared memory, completing bytes on that block's
-//      mbarrier for the step's slot): the Σx² and the n pre dots of the 16 tokens to every block
-//      of the cluster, all J + 1 values of token u to block u / per only (per = 16 / S rounded up to
-//      a power of two);
-//   3. one step later (the next m-tile's MMAs run in between), once the slot's mbarrier completed,
-//      sum the S splits of the pre values in split order (the gates as mhc_tile_gates gives them)
-//      and write their 256 h of layer_input (and of residual_out, fused) from the m-tile's pieces
-//      still in the ring, with the resident items' arithmetic.
-// The post/comb warp takes each step's slot when it completed, sums the split values of the
-// block's own tokens in split order (mhc_split_sums' order), lets the slot be re-armed (the
-// `drained` mbarrier) and computes their post and comb (Sinkhorn, two tokens at a time), off the
-// MMA warps' path. The step's pushes into slot j % 2 happen after each pushing block's step j - 1
-// finished, which waited for every block's push of step j - 1, made after that block had re-armed
-// the slot for step j - 2 (once its post/comb warp had drained it): two slots suffice. A token's
-// arithmetic depends on H alone (batch-invariant; the same bits as every other tensor-core path).
-// Dynamic shared memory: the ring (5 stages; the fused op 4) and the [2][8][16][V] reduction rows.
-#define MHC_CP_RING_PRE 5
-#define MHC_CP_RING_FUSED 4
-#define MHC_CP_GV (1 + MHC_N)  // values every block receives per (token, split): Σx², the pre dots
-#define MHC_CP_OWN_SLOTS 32    // (split, owned token) pairs a block receives at most: S · per <= 32
-#define MHC_CP_THREADS (MHC_THREADS + 32)  // the MMA warps, then the post/comb warp
-// One block a multiprocessor: 224 registers a thread (9 warps of 7168 registers fill 64 Ki; the
-// launch bound alone would plan for 12 warps and leave 168, which spills the fused op).
-#if defined(HF_CUDA)
-#define MHC_CP_BOUNDS __maxnreg__(224)
-#else
-#define MHC_CP_BOUNDS __launch_bounds__(MHC_CP_THREADS, 1)
-#endif
-
-template <bool FUSED>
-struct MhcClusterPre {
-    static constexpr int J = MHC_N * (MHC_N + 2);
-    static constexpr int V = J + 1;
-    static constexpr int R = FUSED ? MHC_CP_RING_FUSED : MHC_CP_RING_PRE;
-    using Smem = MhcMmaSmem<R, FUSED ? MHC_N + 1 : MHC_N, V>;
-};
-
-#if defined(HF_HAS_CLUSTERS) && defined(HF_HAS_MMA)
-// The MMA warps' block barrier (named barrier 1: the post/comb warp runs on its own).
-__device__ __forceinline__ void mhc_cp_mma_sync() { asm volatile("bar.sync 1, %0;" ::"n"(MHC_THREADS) : "memory"); }
-
-// The static shared memory of a block (declared once per kernel, whichever body runs).
-struct MhcCpShared {
-    // Pushed by the cluster's blocks: gin[slot][split][value][token], own_in[slot][split · per +
-    // u][value].
-    float gin[2][MHC_CL_MAX_BLOCKS][MHC_CP_GV][16];
-    float own_in[2][MHC_CP_OWN_SLOTS][MHC_N * (MHC_N + 2) + 1];
-    uint64_t full[2], drained[2];
-    float s_gate[16][MHC_N];
-    float s_own[16][32];  // the post/comb warp's split sums of the owned tokens
-};
-
-template <bool FUSED, bool VEC>
-__device__ void mhc_pre_cluster_body(const MhcPreArgs& a, MhcCpShared& sh) {
-    using P = MhcClusterPre<FUSED>;
-    constexpr int J = P::J, V = P::V, R = P::R, L = R - 2, NT = (J + 7) / 8;
-    constexpr int PC = FUSED ? MHC_N + 1 : MHC_N;
-    using Smem = typename P::Smem;
-    extern __shared__ __align__(16) unsigned char mhc_dyn[];
-    auto& gin = sh.gin;
-    auto& own_in = sh.own_in;
-    auto& full = sh.full;
-    auto& drained = sh.drained;
-    auto& s_gate = sh.s_gate;
-    auto& s_own = sh.s_own;
-    float* red = reinterpret_cast<float*>(mhc_dyn + R * Smem::stage_bytes);  // [2][8][16][V]
-    const uint32_t tid = threadIdx.x, lane = tid % 32u, warp = tid / 32u, g = lane / 4u, q = lane % 4u;
-    const uint32_t rank = hf_cluster_rank(), S = hf_cluster_blocks(), H = a.H;
-    // Never: the host launches clusters of ceil(H / 256) blocks, 2 to 16, of MHC_CP_THREADS
-    // threads with the ring's bytes.
-    if (S < 2u || S > MHC_CL_MAX_BLOCKS || S != (H + MHC_SPLIT_H - 1) / MHC_SPLIT_H || blockDim.x != MHC_CP_THREADS ||
-        mhc_dynamic_smem() < Smem::bytes)
-        __trap();
-    uint32_t per = 1u;
-    while (per * S < 16u) per *= 2u;
-    const uint32_t own0 = rank * per, owned = own0 < 16u ? min(per, 16u - own0) : 0u;
-    const uint32_t push_bytes = S * (MHC_CP_GV * 16u + owned * V) * (uint32_t)sizeof(float);
-    const uint32_t full_a = hf_smem_addr(&full[0]), drained_a = hf_smem_addr(&drained[0]);
-    const uint32_t M = (a.T + 15u) / 16u, clusters = gridDim.x / S, c = blockIdx.x / S;
-    if (c >= M) return;  // never: the grid holds at most one cluster per m-tile (uniform per cluster)
-    const uint32_t steps = (M - c + clusters - 1u) / clusters;
-    auto tile0 = [&](uint32_t j) { return 16u * (c + j * clusters); };
-
-    if (tid == 0u) {
-        for (uint32_t i = 0; i < 2u; ++i) {
-            hf_mbar_init(full_a + 8u * i, 1u);
-            hf_mbar_arrive_expect_tx(full_a + 8u * i, push_bytes);
-            hf_mbar_init(drained_a + 8u * i, 1u);
-        }
-        hf_mbar_fence_init_cluster();
-    }
-    hf_cluster_arrive_shared();
-
-    if (warp == MHC_MMA_WARPS) {
-        // The post/comb warp.
-        hf_cluster_wait();
-        for (uint32_t jj = 0; jj < steps; ++jj) {
-            const uint32_t sl = jj & 1u;
-            hf_mbar_wait_cluster(full_a + 8u * sl, (jj >> 1) & 1u);
-            for (uint32_t idx = lane; idx < owned * V; idx += 32u) {
-                const uint32_t u = idx / V, v = idx % V;
-                float sum = own_in[sl][u][v];
-                for (uint32_t r = 1; r < S; ++r) sum = sum + own_in[sl][r * per + u][v];
-                s_own[u][v] = sum;
-            }
-            __syncwarp();
-            if (lane == 0u) hf_mbar_arrive(drained_a + 8u * sl);  // the slot may be re-armed
-            const uint32_t g0 = tile0(jj) + own0;
-            const uint32_t gc = owned > 0u && g0 < a.T ? min(owned, a.T - g0) : 0u;
-            for (uint32_t u0 = 0; u0 < gc; u0 += 2u)
-                mhc_post_comb(a, g0 + u0, min(2u, gc - u0), &s_own[u0], nullptr, lane);
-            __syncwarp();  // s_own read before the next step's sums
-        }
-        hf_cluster_sync();
-        return;
-    }
-
-    const uint32_t h0 = rank * MHC_SPLIT_H + warp * 32u + q * 8u;
-    const uint32_t slot = hf_smem_addr(mhc_dyn) + warp * Smem::warp_bytes + lane * 16u;
-    const float gate_scale = a.scale[0];
-    const float gate_base = tid >= MHC_THREADS - 16u * MHC_N ? a.base[tid % MHC_N] : 0.0f;
-    auto stage = [&](uint32_t j) { return slot + (j % R) * Smem::stage_bytes; };
-#pragma unroll
-    for (int s = 0; s < L; ++s) {
-        if ((uint32_t)s < steps)
-            mhc_mma_issue<PC, VEC>(stage(s), a.residual, a.x_in, H, tile0(s), a.T, g, h0);
-        hf_cp_async_commit();
-    }
-    uint32_t bhi[MHC_N][NT][4], blo[MHC_N][NT][4];
-    mhc_mma_weights<J, VEC>(a.fn, H, h0, g, bhi, blo);
-
-    // Step jj's pushes (its rows in red[jj % 2], after the MMA warps' barrier): thread (v, quad)
-    // sums value v of the quad's 4 tokens over the warps and sends them on.
-    auto push = [&](uint32_t jj) {
-        if (tid >= 4u * V) return;
-        const uint32_t sl = jj & 1u, v = tid / 4u, quad = tid % 4u;
-        const float* rb = red + sl * MHC_MMA_WARPS * 16 * V;
-        float s4[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) s4[k] = mhc_warp_sum<V>(rb, 4u * quad + k, v);
-        if (v < MHC_CP_GV) {
-            const float4 v4 = make_float4(s4[0], s4[1], s4[2], s4[3]);
-            for (uint32_t r = 0; r < S; ++r) hf_cluster_store_async_f32x4(&gin[sl][rank][v][4u * quad], r, v4, &full[sl]);
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const uint32_t u = 4u * quad + k, o = u / per;
-            hf_cluster_store_async_f32(&own_in[sl][rank * per + (u - o * per)][v], o, s4[k], &full[sl]);
-        }
-    };
-    // Step jj's finish: the gates, then the outputs.
-    auto finish = [&](uint32_t jj) {
-        const uint32_t sl = jj & 1u, t0 = tile0(jj);
-        if (tid >= MHC_THREADS - 16u * MHC_N) {
-            hf_mbar_wait_cluster(full_a + 8u * sl, (jj >> 1) & 1u);
-            const uint32_t k = tid - (MHC_THREADS - 16u * MHC_N), u = k / MHC_N, i = k % MHC_N;
-            float ss = gin[sl][0][0][u], d = gin[sl][0][1 + i][u];
-            for (uint32_t r = 1; r < S; ++r) {
-                ss = ss + gin[sl][r][0][u];
-                d = d + gin[sl][r][1 + i][u];
-            }
-            s_gate[u][i] = mhc_stream_gate(ss, d, H, gate_scale, gate_base, a.rms_eps, a.pre_eps);
-        }
-        mhc_cp_mma_sync();  // s_gate ready; the slot's gate values all read
-        if (tid == 0u) {
-            // Armed for step jj + 2 once the post/comb warp has its sums too.
-            hf_mbar_wait(drained_a + 8u * sl, (jj >> 1) & 1u);
-            hf_mbar_arrive_expect_tx(full_a + 8u * sl, push_bytes);
-        }
-        if (h0 < H) {
-            const uint32_t base = stage(jj);
-#pragma unroll
-            for (int rr = 0; rr < 2; ++rr) {
-                const uint32_t u = g + 8u * rr;
-                if (t0 + u < a.T)
-                    mhc_mma_row_out<FUSED, VEC>(base, rr, t0 + u, h0, H, s_gate[u], a.residual_out, a.layer_input);
-            }
-        }
-    };
-
-    // Step j: copies of step j + L out, step j's MMAs, then step j - 1's finish, then step j's
-    // pushes. A lane copies, reads and writes only its own slots of a stage, so the ring needs no
-    // barrier: step j - 1's stage is read here and refilled (step j + L + 1 = j - 1 + R) only in
-    // the next step, by the same lane.
-#pragma unroll 1
-    for (uint32_t j = 0; j <= steps; ++j) {
-        if (j < steps) {
-            if (j + L < steps) mhc_mma_issue<PC, VEC>(stage(j + L), a.residual, a.x_in, H, tile0(j + L), a.T, g, h0);
-            hf_cp_async_commit();
-            hf_cp_async_wait<L>();
-            mhc_mma_tile<J, FUSED, VEC, false>(stage(j), tile0(j), a.T, g, q, h0, H, a.post_in, a.comb_in, nullptr, bhi,
-                                               blo, red + ((j & 1u) * MHC_MMA_WARPS + warp) * 16 * V);
-        }
-        mhc_cp_mma_sync();  // the warps' rows of step j; step j - 1's outputs done with s_gate
-        if (j == 0u) hf_cluster_wait();  // every block's barriers initialised before any push
-        if (j > 0u) finish(j - 1u);
-        if (j < steps) push(j);
-    }
-    hf_cp_async_wait_all();
-    hf_cluster_sync();  // no block leaves before every store into the inboxes landed
-}
-#endif
-
-template <bool FUSED>
-__device__ __forceinline__ void mhc_pre_cluster_entry(const MhcPreArgs& a) {
-#if defined(HF_HAS_CLUSTERS) && defined(HF_HAS_MMA)
-    if (a.T == 0) return;
-    bool vec = (a.H % MHC_CHUNK == 0) && mhc_aligned16(a.residual) && mhc_aligned16(a.fn) && mhc_aligned16(a.layer_input);
-    if (FUSED) vec = vec && mhc_aligned16(a.x_in) && mhc_aligned16(a.residual_out);
-    __shared__ __align__(16) MhcCpShared sh;
-    if (vec)
-        mhc_pre_cluster_body<FUSED, true>(a, sh);
-    else
-        mhc_pre_cluster_body<FUSED, false>(a, sh);
-#endif
-}
-
-// mhc_pre on clusters of ceil(H / 256) blocks of MHC_CP_THREADS threads (no workspace).
-HF_KERNEL void MHC_CP_BOUNDS mhc_pre_cluster_n4(
-    const hf_bf16* residual, const float* fn, const float* scale, const float* base, float* post_out, float* comb_out,
-    hf_bf16* layer_input, uint32_t T, uint32_t H, float rms_eps, float pre_eps, float sinkhorn_eps, float post_mult,
-    uint32_t iters) {
-    hf_dependent_kernel_start();
-    MhcPreArgs a{};
-    a.residual = residual; a.fn = fn; a.scale = scale; a.base = base;
-    a.post_out = post_out; a.comb_out = comb_out; a.layer_input = layer_input;
-    a.T = T; a.H = H; a.iters = iters;
-    a.rms_eps = rms_eps; a.pre_eps = pre_eps; a.sinkhorn_eps = sinkhorn_eps; a.post_mult = post_mult;
-    mhc_pre_cluster_entry<false>(a);
-}
-
-// mhc_fused_post_pre on clusters of ceil(H / 256) blocks of MHC_CP_THREADS threads (no workspace;
-// residual_out may be residual itself).
-HF_KERNEL void MHC_CP_BOUNDS mhc_fused_post_pre_cluster_n4(
-    const hf_bf16* x_in, const hf_bf16* residual, const float* post_in, const float* comb_in, const float* fn,
-    const float* scale, const float* base, hf_bf16* residual_out, float* post_out, float* comb_out,
-    hf_bf16* layer_input, uint32_t T, uint32_t H, float rms_eps, float pre_eps, float sinkhorn_eps, float post_mult,
-    uint32_t iters) {
-    hf_dependent_kernel_start();
-    MhcPreArgs a{};
-    a.x_in = x_in; a.residual = residual; a.post_in = post_in; a.comb_in = comb_in;
-    a.fn = fn; a.scale = scale; a.base = base; a.residual_out = residual_out;
-    a.post_out = post_out; a.comb_out = comb_out; a.layer_input = layer_input;
-    a.T = T; a.H = H; a.iters = iters;
-    a.rms_eps = rms_eps; a.pre_eps = pre_eps; a.sinkhorn_eps = sinkhorn_eps; a.post_mult = post_mult;
-    mhc_pre_cluster_entry<true>(a);
 }

@@ -23,8 +23,6 @@ pub(crate) const PRE: &str = "mhc_pre_n4";
 pub(crate) const FUSED_POST_PRE: &str = "mhc_fused_post_pre_n4";
 pub(crate) const POST: &str = "mhc_post_n4";
 pub(crate) const PRE_FINISH: &str = "mhc_pre_finish_n4";
-pub(crate) const PRE_CLUSTER: &str = "mhc_pre_cluster_n4";
-pub(crate) const FUSED_POST_PRE_CLUSTER: &str = "mhc_fused_post_pre_cluster_n4";
 
 type HalResult<T> = holdfast_hal::Result<T>;
 
@@ -111,38 +109,12 @@ fn pre_params(l: &CpuLaunch<'_>, at: usize) -> HalResult<MhcPreParams> {
 }
 
 fn pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (residual, hc_fn, scale, base) = (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?);
+    let (post, comb, layer) = (l.ptr::<f32>(4)?, l.ptr::<f32>(5)?, l.ptr::<bf16>(6)?);
     let (partials, sync) = (l.ptr::<f32>(7)?, l.ptr::<u32>(8)?);
     let (t, h) = (l.count(9)?, l.count(10)?);
     let params = pre_params(l, 11)?;
     check_workspace(l, t, h, crate::plan::workspace_floats, partials.len(), sync.len(), 16)?;
-    pre_by_reference(l, t, h, &params)
-}
-
-/// Clusters of [`crate::plan::splits`]`(H)` blocks (2 to 16), as the device launch needs.
-fn check_pre_clusters(l: &CpuLaunch<'_>, t: usize, h: usize) -> HalResult<()> {
-    let s = reference::splits(h);
-    if t > 0 && (!(2..=16).contains(&s) || l.cluster_blocks() as usize != s) {
-        return Err(l.fail(format!(
-            "launched with clusters of {} blocks; the kernel needs ceil(H / 256) = {s} (2 to 16) at H = {h}",
-            l.cluster_blocks()
-        )));
-    }
-    Ok(())
-}
-
-/// `mhc_pre_cluster_n4`: `mhc_pre` without workspace, on clusters of `ceil(H / 256)` blocks.
-fn pre_cluster_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
-    let (t, h) = (l.count(7)?, l.count(8)?);
-    let params = pre_params(l, 9)?;
-    check_pre_clusters(l, t, h)?;
-    pre_by_reference(l, t, h, &params)
-}
-
-/// `mhc_pre` by the reference from the kernels' leading arguments (`residual, fn, scale, base,
-/// post, comb, layer_input`) for `t` tokens of hidden size `h`.
-fn pre_by_reference(l: &CpuLaunch<'_>, t: usize, h: usize, params: &MhcPreParams) -> HalResult<()> {
-    let (residual, hc_fn, scale, base) = (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?);
-    let (post, comb, layer) = (l.ptr::<f32>(4)?, l.ptr::<f32>(5)?, l.ptr::<bf16>(6)?);
     let (n, d) = (HC_MULT, HC_MULT * h);
     at_least(l, "residual", residual.len(), t * d)?;
     at_least(l, "post", post.len(), t * n)?;
@@ -157,7 +129,7 @@ fn pre_by_reference(l: &CpuLaunch<'_>, t: usize, h: usize, params: &MhcPreParams
         &scale.read(0, 3)?,
         &base.read(0, PRE_ROWS)?,
         h,
-        params,
+        &params,
         slices,
     )
     .map_err(|e| fail(l, e))?;
@@ -205,28 +177,13 @@ fn pre_finish_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 }
 
 fn fused_post_pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
+    let (x, residual, post_in, comb_in) = (l.ptr::<bf16>(0)?, l.ptr::<bf16>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?);
+    let (hc_fn, scale, base) = (l.ptr::<f32>(4)?, l.ptr::<f32>(5)?, l.ptr::<f32>(6)?);
+    let (residual_out, post, comb, layer) = (l.ptr::<bf16>(7)?, l.ptr::<f32>(8)?, l.ptr::<f32>(9)?, l.ptr::<bf16>(10)?);
     let (partials, sync) = (l.ptr::<f32>(11)?, l.ptr::<u32>(12)?);
     let (t, h) = (l.count(13)?, l.count(14)?);
     let params = pre_params(l, 15)?;
     check_workspace(l, t, h, crate::plan::workspace_floats, partials.len(), sync.len(), 20)?;
-    fused_post_pre_by_reference(l, t, h, &params)
-}
-
-/// `mhc_fused_post_pre_cluster_n4`: the fused op without workspace, on clusters of `ceil(H / 256)`
-/// blocks.
-fn fused_post_pre_cluster_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
-    let (t, h) = (l.count(11)?, l.count(12)?);
-    let params = pre_params(l, 13)?;
-    check_pre_clusters(l, t, h)?;
-    fused_post_pre_by_reference(l, t, h, &params)
-}
-
-/// The fused op by the reference from the kernels' leading arguments (`x, residual, post_in,
-/// comb_in, fn, scale, base, residual_out, post, comb, layer_input`).
-fn fused_post_pre_by_reference(l: &CpuLaunch<'_>, t: usize, h: usize, params: &MhcPreParams) -> HalResult<()> {
-    let (x, residual, post_in, comb_in) = (l.ptr::<bf16>(0)?, l.ptr::<bf16>(1)?, l.ptr::<f32>(2)?, l.ptr::<f32>(3)?);
-    let (hc_fn, scale, base) = (l.ptr::<f32>(4)?, l.ptr::<f32>(5)?, l.ptr::<f32>(6)?);
-    let (residual_out, post, comb, layer) = (l.ptr::<bf16>(7)?, l.ptr::<f32>(8)?, l.ptr::<f32>(9)?, l.ptr::<bf16>(10)?);
     let (n, d) = (HC_MULT, HC_MULT * h);
     at_least(l, "x", x.len(), t * h)?;
     at_least(l, "residual", residual.len(), t * d)?;
@@ -251,7 +208,7 @@ fn fused_post_pre_by_reference(l: &CpuLaunch<'_>, t: usize, h: usize, params: &M
         &scale.read(0, 3)?,
         &base.read(0, PRE_ROWS)?,
         h,
-        params,
+        &params,
         &mut ro,
         slices,
     )
@@ -298,12 +255,6 @@ fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 /// - `mhc_pre_finish_n4(residual [T,n,H], scale [3], base [m], post [T,n], comb [T,n,n],
 ///   layer_input [T,H], partials [T,S,m+1], T, H, rms_eps, pre_eps, sinkhorn_eps, post_mult,
 ///   sinkhorn_iters)`: the second launch after a streamed projection (grid `(ceil(T / 16), parts)`)
-///
-/// - `mhc_pre_cluster_n4(residual, fn, scale, base, post, comb, layer_input, T, H, rms_eps,
-///   pre_eps, sinkhorn_eps, post_mult, sinkhorn_iters)` and `mhc_fused_post_pre_cluster_n4(x,
-///   residual, post_in, comb_in, fn, scale, base, residual_out, post, comb, layer_input, T, H, …)`:
-///   one launch on thread-block clusters of `S` blocks (`2 ≤ S ≤ 16`, sm_90+), no workspace; each
-///   cluster takes every C-th m-tile of 16 tokens (C clusters), block `rank` split `rank`
 ///
 /// `resident` bit 2 (with `finish_tokens = 0`, `mhc_pre` and the fused op, tensor cores only)
 /// makes the launch the streamed projection pass: partials only (and the fused op's
@@ -359,13 +310,8 @@ pub fn source() -> &'static KernelSource {
             Param::output::<f32>("comb_out"),
             Param::output::<bf16>("layer_input"),
         ];
-        let pre_outputs = pre.clone();
         pre.extend(workspace());
         pre.extend(pre_scalars());
-        let cluster_scalars =
-            || vec![u("T"), u("H"), f("rms_eps"), f("pre_eps"), f("sinkhorn_eps"), f("post_mult"), u("iters")];
-        let mut pre_cluster = pre_outputs;
-        pre_cluster.extend(cluster_scalars());
         let mut fused = vec![
             Param::input::<bf16>("x_in"),
             Param::input::<bf16>("residual"),
@@ -379,8 +325,6 @@ pub fn source() -> &'static KernelSource {
             Param::output::<f32>("comb_out"),
             Param::output::<bf16>("layer_input"),
         ];
-        let mut fused_cluster = fused.clone();
-        fused_cluster.extend(cluster_scalars());
         fused.extend(workspace());
         fused.extend(pre_scalars());
         let mut finish = vec![
@@ -415,8 +359,6 @@ pub fn source() -> &'static KernelSource {
                 KernelEntry { name: FUSED_POST_PRE, params: fused, cpu: fused_post_pre_cpu },
                 KernelEntry { name: POST, params: post, cpu: post_cpu },
                 KernelEntry { name: PRE_FINISH, params: finish, cpu: pre_finish_cpu },
-                KernelEntry { name: PRE_CLUSTER, params: pre_cluster, cpu: pre_cluster_cpu },
-                KernelEntry { name: FUSED_POST_PRE_CLUSTER, params: fused_cluster, cpu: fused_post_pre_cluster_cpu },
             ],
         }
     })
@@ -433,8 +375,6 @@ pub struct MhcKernels {
     pub(crate) fused_post_pre: Kernel,
     pub(crate) post: Kernel,
     pub(crate) pre_finish: Kernel,
-    pub(crate) pre_cluster: Kernel,
-    pub(crate) fused_post_pre_cluster: Kernel,
 }
 
 impl MhcKernels {
@@ -450,8 +390,6 @@ impl MhcKernels {
             fused_post_pre: module.kernel(FUSED_POST_PRE)?,
             post: module.kernel(POST)?,
             pre_finish: module.kernel(PRE_FINISH)?,
-            pre_cluster: module.kernel(PRE_CLUSTER)?,
-            fused_post_pre_cluster: module.kernel(FUSED_POST_PRE_CLUSTER)?,
             module,
         })
     }

@@ -1,6 +1,6 @@
 //! [`MhcOps`]: the launchers, their configuration and their workspace.
 
-use holdfast_hal::{bf16, Arg, Buffer, Device, LaunchConfig, RawView, Stream, View};
+use holdfast_hal::{bf16, Buffer, Device, LaunchConfig, RawView, Stream, View};
 
 use crate::error::{MhcError, Result};
 use crate::kernels::MhcKernels;
@@ -66,13 +66,6 @@ pub enum MhcPasses {
     /// blocks that read the (updated) residual again for `layer_input`. More bytes, no waits
     /// inside a launch.
     Two,
-    /// One launch on thread-block clusters where the device runs them (NVIDIA sm_90+) and `H`
-    /// fits (`256 < H <= 4096`: a cluster of `ceil(H / 256)` blocks, one per split, each holding
-    /// its split's weights for the whole launch); elsewhere as [`MhcPasses::Auto`]. Each cluster
-    /// takes m-tiles of 16 tokens in turn, reads the residual once, exchanges the partial sums
-    /// through distributed shared memory and writes the outputs one m-tile later from the rows
-    /// it kept in shared memory: no workspace, no wait on global memory.
-    Clusters,
 }
 
 /// The weights of `hc_head` (§6.5), all f32.
@@ -136,12 +129,6 @@ pub struct MhcOps {
     pub(crate) head_cluster_slots: usize,
     /// `hc_head` runs on clusters ([`MhcProjection::Auto`] where it fits).
     head_clusters: bool,
-    /// Clusters of `mhc_pre` and of the fused op on thread-block clusters the device runs at
-    /// once (0: that path does not run here).
-    pre_cluster_slots: [usize; 2],
-    /// The projection is not forced portable ([`MhcProjection::Portable`] keeps `mhc_pre` and
-    /// the fused op off clusters, whose sums run on tensor cores).
-    pre_clusters_allowed: bool,
     pub(crate) partials: Buffer<f32>,
     pub(crate) sync: Buffer<u32>,
 }
@@ -177,16 +164,6 @@ impl MhcOps {
         } else {
             0
         };
-        let mut pre_cluster_slots = [0; 2];
-        for (slots, (kind, kernel)) in pre_cluster_slots
-            .iter_mut()
-            .zip([(Reduce::Pre, &kernels.pre_cluster), (Reduce::Fused, &kernels.fused_post_pre_cluster)])
-        {
-            if device.info().has_clusters() && plan::cluster_pre_fits(kind, config.hidden, max_shared) {
-                let (cfg, cluster) = (plan::cluster_pre_block(kind, config.hidden), splits(config.hidden) as u32);
-                *slots = device.max_active_clusters(kernel, cfg, cluster)? as usize;
-            }
-        }
         let shape =
             plan::ReduceShape { mma: has_mma, head_mma: false, tile_tokens: None, max_shared, passes: MhcPasses::Auto };
         Ok(MhcOps {
@@ -197,8 +174,6 @@ impl MhcOps {
             has_mma,
             head_cluster_slots,
             head_clusters: head_cluster_slots > 0,
-            pre_cluster_slots,
-            pre_clusters_allowed: true,
             partials,
             sync,
         })
@@ -209,43 +184,13 @@ impl MhcOps {
         self.shape.mma = projection != MhcProjection::Portable && self.has_mma;
         self.shape.head_mma = projection == MhcProjection::TensorCores && self.has_mma;
         self.head_clusters = projection == MhcProjection::Auto && self.head_cluster_slots > 0;
-        self.pre_clusters_allowed = projection != MhcProjection::Portable;
         self
     }
 
     /// Whether `op` runs on thread-block clusters: `hc_head` under [`MhcProjection::Auto`] on a
-    /// device with clusters, at a hidden size that fits; `mhc_pre` and the fused op under
-    /// [`MhcPasses::Clusters`] (and a projection other than [`MhcProjection::Portable`]) likewise.
+    /// device with clusters, at a hidden size that fits.
     pub fn uses_clusters(&self, op: MhcOp) -> bool {
-        match op {
-            MhcOp::HcHead => self.head_clusters,
-            MhcOp::Pre | MhcOp::FusedPostPre => {
-                self.shape.passes == MhcPasses::Clusters && self.pre_clusters_allowed && self.pre_cluster_slots(op) > 0
-            }
-            MhcOp::Post => false,
-        }
-    }
-
-    /// Clusters the device runs at once of `mhc_pre` / the fused op on clusters (0 for other ops).
-    fn pre_cluster_slots(&self, op: MhcOp) -> usize {
-        match op {
-            MhcOp::Pre => self.pre_cluster_slots[0],
-            MhcOp::FusedPostPre => self.pre_cluster_slots[1],
-            _ => 0,
-        }
-    }
-
-    /// The cluster launch of `op` for `tokens > 0` tokens, with its blocks per cluster, where `op`
-    /// runs on clusters ([`Self::uses_clusters`]).
-    pub(crate) fn cluster_launch(&self, op: MhcOp, tokens: usize) -> Option<(LaunchConfig, u32)> {
-        if !self.uses_clusters(op) {
-            return None;
-        }
-        let h = self.config.hidden;
-        Some(match Reduce::of(op)? {
-            Reduce::Head => (plan::cluster_head(tokens, h, self.head_cluster_slots), plan::cluster_blocks(h) as u32),
-            kind => (plan::cluster_pre(kind, tokens, h, self.pre_cluster_slots(op)), splits(h) as u32),
-        })
+        op == MhcOp::HcHead && self.head_clusters
     }
 
     /// Whether `op` runs on tensor cores (resident items): its [`MhcProjection`] choice, on an
@@ -306,8 +251,8 @@ impl MhcOps {
         if tokens == 0 {
             return None;
         }
-        if let Some((config, _)) = self.cluster_launch(op, tokens) {
-            return Some(config);
+        if self.uses_clusters(op) {
+            return Some(plan::cluster_head(tokens, self.config.hidden, self.head_cluster_slots));
         }
         Some(match Reduce::of(op) {
             Some(kind) => self.reduce_plan(kind, tokens).config,
@@ -341,40 +286,27 @@ impl MhcOps {
     ) -> Result<()> {
         let Some(config) = plan.finish else { return Ok(()) };
         let tokens = out.post.len() / HC_MULT;
-        let io: [Arg; 7] = [
-            residual.into(),
-            weights.scale.into(),
-            weights.base.into(),
-            out.post.into(),
-            out.comb.into(),
-            out.layer_input.into(),
-            (&self.partials).into(),
-        ];
-        stream.launch_dependent(&self.kernels.pre_finish, config, &[io, self.pre_scalars(tokens, params)].concat())?;
+        stream.launch_dependent(
+            &self.kernels.pre_finish,
+            config,
+            &[
+                residual.into(),
+                weights.scale.into(),
+                weights.base.into(),
+                out.post.into(),
+                out.comb.into(),
+                out.layer_input.into(),
+                (&self.partials).into(),
+                (tokens as u32).into(),
+                (self.config.hidden as u32).into(),
+                params.rms_eps.into(),
+                params.pre_eps.into(),
+                params.sinkhorn_eps.into(),
+                params.post_mult.into(),
+                params.sinkhorn_iters.into(),
+            ],
+        )?;
         Ok(())
-    }
-
-    /// The scalars every `mhc_pre` / fused kernel takes after its views: `T, H, rms_eps, pre_eps,
-    /// sinkhorn_eps, post_mult, sinkhorn_iters`.
-    pub(crate) fn pre_scalars(&self, tokens: usize, params: &MhcPreParams) -> [Arg; 7] {
-        [
-            (tokens as u32).into(),
-            (self.config.hidden as u32).into(),
-            params.rms_eps.into(),
-            params.pre_eps.into(),
-            params.sinkhorn_eps.into(),
-            params.post_mult.into(),
-            params.sinkhorn_iters.into(),
-        ]
-    }
-
-    /// A split-reduction launch's arguments: the views `io`, the workspace, the scalars, then the
-    /// plan's tile, finish tokens and flags.
-    pub(crate) fn with_workspace(&self, io: &[Arg], scalars: &[Arg], plan: &plan::ReducePlan) -> Vec<Arg> {
-        let workspace: [Arg; 2] = [(&self.partials).into(), (&self.sync).into()];
-        let shape: [Arg; 3] =
-            [(plan.tile_tokens as u32).into(), (plan.finish_tokens as u32).into(), plan.flags().into()];
-        [io, &workspace, scalars, &shape].concat()
     }
 
     pub(crate) fn check_pre_weights(&self, op: &'static str, w: &MhcPreWeights<'_>) -> Result<()> {

@@ -257,7 +257,7 @@ pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, s
     let units = units.max(1);
     if shape.mma_for(kind) && resident_fits(kind, hidden, units, shape.max_shared) {
         let two = match shape.passes {
-            crate::MhcPasses::Auto | crate::MhcPasses::Clusters => stream_pays(kind, tokens, hidden, units),
+            crate::MhcPasses::Auto => stream_pays(kind, tokens, hidden, units),
             crate::MhcPasses::One => false,
             crate::MhcPasses::Two => true,
         };
@@ -445,55 +445,6 @@ pub(crate) fn cluster_head(tokens: usize, hidden: usize, slots: usize) -> Launch
     }
 }
 
-/// Stages of the ring of `mhc_pre` / the fused op on clusters (`MHC_CP_RING_*` in `kernels.cu`).
-fn cluster_pre_stages(kind: Reduce) -> usize {
-    match kind {
-        Reduce::Head | Reduce::Pre => 5,
-        Reduce::Fused => 4,
-    }
-}
-
-/// Threads per block of `mhc_pre` / the fused op on clusters (`MHC_CP_THREADS`): the 8 MMA warps
-/// and the post/comb warp.
-const CLUSTER_PRE_THREADS: u32 = THREADS + 32;
-
-/// Static shared memory of `mhc_pre` / the fused op on clusters, bytes (the inboxes, their
-/// barriers, the gates and the split sums: 18.5 KiB), with room to spare.
-pub(crate) const CLUSTER_PRE_STATIC_BYTES: u32 = 20 * 1024;
-
-/// Dynamic shared memory of a block of `mhc_pre` / the fused op on clusters, bytes: the ring's
-/// stages and the reduction buffers (`MhcClusterPre::Smem` in `kernels.cu`).
-pub(crate) fn cluster_pre_shared_bytes(kind: Reduce) -> u32 {
-    resident_shared_bytes(kind, cluster_pre_stages(kind) * MMA_ROWS)
-}
-
-/// Whether `mhc_pre` / the fused op run on clusters at `hidden` on a device with `max_shared` bytes
-/// of shared memory per block: a cluster holds one block per split (`S = ceil(H / 256)`, 2 to 16:
-/// `256 < H <= 4096`), and a block's ring fits.
-pub(crate) fn cluster_pre_fits(kind: Reduce, hidden: usize, max_shared: u32) -> bool {
-    kind != Reduce::Head
-        && (2..=16).contains(&splits(hidden))
-        && cluster_pre_shared_bytes(kind) + CLUSTER_PRE_STATIC_BYTES <= max_shared
-}
-
-/// The block shape of `mhc_pre` / the fused op on clusters (the grid is one cluster): what
-/// [`holdfast_hal::Device::max_active_clusters`] is asked about.
-pub(crate) fn cluster_pre_block(kind: Reduce, hidden: usize) -> LaunchConfig {
-    cluster_pre(kind, 1, hidden, 1)
-}
-
-/// Launch of `mhc_pre` / the fused op on clusters for `tokens > 0`: clusters of `S` blocks, one per
-/// m-tile of 16 tokens up to `slots`, the clusters the device runs at once (each then takes every
-/// `C`-th m-tile).
-pub(crate) fn cluster_pre(kind: Reduce, tokens: usize, hidden: usize, slots: usize) -> LaunchConfig {
-    let clusters = tokens.div_ceil(MMA_ROWS).clamp(1, slots.max(1));
-    LaunchConfig {
-        grid: (u32::try_from(clusters * splits(hidden)).unwrap_or(u32::MAX), 1, 1),
-        block: (CLUSTER_PRE_THREADS, 1, 1),
-        shared_mem_bytes: cluster_pre_shared_bytes(kind),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -522,32 +473,6 @@ mod tests {
         }
         assert!(!cluster_head_fits(4096, 96 * 1024), "a block whose shared memory is too small");
         assert_eq!(cluster_head(1, 4096, 0).grid.0 as usize, 8, "at least one cluster");
-    }
-
-    #[test]
-    fn cluster_pre_plans_are_whole_clusters_of_one_block_per_split() {
-        let sm90 = holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK;
-        assert_eq!(cluster_pre_shared_bytes(Reduce::Pre), 5 * 32 * 1024 + 25 * 1024);
-        assert_eq!(cluster_pre_shared_bytes(Reduce::Fused), 4 * 40 * 1024 + 25 * 1024);
-        for kind in [Reduce::Pre, Reduce::Fused] {
-            for hidden in [257, 300, 1000, 4096] {
-                assert!(cluster_pre_fits(kind, hidden, sm90), "{kind:?} H {hidden}");
-                let s = splits(hidden);
-                assert_eq!(cluster_pre_block(kind, hidden).grid.0 as usize, s, "one cluster");
-                for tokens in [1, 16, 17, 1000, 16_384] {
-                    for slots in [0, 1, 8] {
-                        let cfg = cluster_pre(kind, tokens, hidden, slots);
-                        assert_eq!(cfg.grid.0 as usize, s * tokens.div_ceil(16).min(slots.max(1)));
-                        assert_eq!(cfg.shared_mem_bytes, cluster_pre_shared_bytes(kind));
-                    }
-                }
-            }
-            for hidden in [1, 256, 4097, 7168] {
-                assert!(!cluster_pre_fits(kind, hidden, sm90), "{kind:?} H {hidden}: not 2 to 16 splits");
-            }
-            assert!(!cluster_pre_fits(kind, 4096, 163 * 1024), "sm_80's shared memory");
-        }
-        assert!(!cluster_pre_fits(Reduce::Head, 4096, sm90));
     }
 
     #[test]

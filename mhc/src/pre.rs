@@ -1,10 +1,10 @@
 //! `mhc_pre` (§6.2): gates, Sinkhorn-normalised stream mixing, and the sublayer's input.
 
-use holdfast_hal::{bf16, Arg, Stream, View};
+use holdfast_hal::{bf16, Stream, View};
 
 use crate::error::Result;
 use crate::ops::{disjoint, MhcOps, MhcPreOutputs, MhcPreWeights};
-use crate::params::{MhcOp, MhcPreParams};
+use crate::params::MhcPreParams;
 use crate::plan::Reduce;
 
 impl MhcOps {
@@ -12,8 +12,7 @@ impl MhcOps {
     /// token's flattened row (`D = n·H`), then `post [T, n] = sigmoid(mixes[n..2n]·s1 + b) ·
     /// post_mult`, `comb [T, n, n] = sinkhorn(mixes[2n..]·s2 + b)` and `layer_input [T, H] =
     /// Σ_i pre_i · residual_i` with `pre = sigmoid(mixes[..n]·s0 + b) + pre_eps`. One launch (none
-    /// for `T = 0`; two where [`crate::MhcPasses`] takes two; a cluster launch where it takes
-    /// clusters). Outputs must not overlap inputs or
+    /// for `T = 0`; two where [`crate::MhcPasses`] takes two). Outputs must not overlap inputs or
     /// each other.
     pub fn pre(
         &self,
@@ -39,22 +38,32 @@ impl MhcOps {
         if t == 0 {
             return Ok(());
         }
-        let io: [Arg; 7] = [
-            residual.into(),
-            weights.hc_fn.into(),
-            weights.scale.into(),
-            weights.base.into(),
-            out.post.into(),
-            out.comb.into(),
-            out.layer_input.into(),
-        ];
-        let scalars = self.pre_scalars(t, params);
-        if let Some((config, cluster)) = self.cluster_launch(MhcOp::Pre, t) {
-            stream.launch_cluster_dependent(&self.kernels.pre_cluster, config, cluster, &[io, scalars].concat())?;
-            return Ok(());
-        }
         let p = self.reduce_plan(Reduce::Pre, t);
-        stream.launch_dependent(&self.kernels.pre, p.config, &self.with_workspace(&io, &scalars, &p))?;
+        stream.launch_dependent(
+            &self.kernels.pre,
+            p.config,
+            &[
+                residual.into(),
+                weights.hc_fn.into(),
+                weights.scale.into(),
+                weights.base.into(),
+                out.post.into(),
+                out.comb.into(),
+                out.layer_input.into(),
+                (&self.partials).into(),
+                (&self.sync).into(),
+                (t as u32).into(),
+                (self.config.hidden as u32).into(),
+                params.rms_eps.into(),
+                params.pre_eps.into(),
+                params.sinkhorn_eps.into(),
+                params.post_mult.into(),
+                params.sinkhorn_iters.into(),
+                (p.tile_tokens as u32).into(),
+                (p.finish_tokens as u32).into(),
+                p.flags().into(),
+            ],
+        )?;
         self.launch_finish(stream, &p, residual, weights, params, out)
     }
 }

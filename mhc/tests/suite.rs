@@ -243,20 +243,6 @@ impl PostBufs {
         ops.post(&fx.s, &self.x.view(), &self.residual.view(), &self.post.view(), &self.comb.view(), &self.out.view())
     }
     fn run_fused(&self, fx: &Fx, ops: &MhcOps, pre: &PreBufs, p: &MhcPreParams) -> Result<(), MhcError> {
-        self.fused_into(fx, ops, pre, p, &self.out.view())
-    }
-    /// The fused op with `residual` updated in place.
-    fn run_fused_in_place(&self, fx: &Fx, ops: &MhcOps, pre: &PreBufs, p: &MhcPreParams) -> Result<(), MhcError> {
-        self.fused_into(fx, ops, pre, p, &self.residual.view())
-    }
-    fn fused_into(
-        &self,
-        fx: &Fx,
-        ops: &MhcOps,
-        pre: &PreBufs,
-        p: &MhcPreParams,
-        residual_out: &View<bf16>,
-    ) -> Result<(), MhcError> {
         let (x, r, po, co) = (self.x.view(), self.residual.view(), self.post.view(), self.comb.view());
         let (f, s, b) = (pre.w[0].view(), pre.w[1].view(), pre.w[2].view());
         let (opo, oco, oli) = (pre.post.view(), pre.comb.view(), pre.li.view());
@@ -265,7 +251,7 @@ impl PostBufs {
             &MhcPostInputs { x: &x, residual: &r, post: &po, comb: &co },
             &MhcPreWeights { hc_fn: &f, scale: &s, base: &b },
             p,
-            residual_out,
+            &self.out.view(),
             &MhcPreOutputs { post: &opo, comb: &oco, layer_input: &oli },
         )
     }
@@ -480,7 +466,6 @@ fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(
                 (Some(48), MhcPasses::One),
                 (Some(128), MhcPasses::One),
                 (None, MhcPasses::Two),
-                (None, MhcPasses::Clusters),
             ];
             for (tile, passes) in variants {
                 let what = format!("H={hidden} T={t} {projection:?} tile {tile:?} {passes:?}");
@@ -491,14 +476,8 @@ fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(
                     .expect("tile")
                     .with_passes(passes);
                 let two = tc && passes == MhcPasses::Two;
-                let on_clusters = passes == MhcPasses::Clusters
-                    && projection != MhcProjection::Portable
-                    && dev.info().has_clusters()
-                    && hidden > 256
-                    && hidden <= 4096;
                 for op in [MhcOp::Pre, MhcOp::FusedPostPre] {
                     assert_eq!(ops.launch_configs(op, t).len(), 1 + usize::from(two), "{what} {op:?}");
-                    assert_eq!(ops.uses_clusters(op), on_clusters, "{what} {op:?}");
                 }
                 let head = HeadBufs::new(&fx, &residual, &w_head, hidden);
                 head.run(&fx, &ops, &hp).expect("hc_head");
@@ -530,142 +509,6 @@ fn both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits(
                     Some(f) => assert!(*f == bits, "{what}: bits differ from the plan's own tile"),
                 }
             }
-        }
-    }
-}
-
-/// `mhc_pre` and the fused op on thread-block clusters ([`MhcPasses::Clusters`], where the device
-/// runs them and 256 < H <= 4096): each matches its reference and gives the default path's bits
-/// (on tensor cores the same sums in the same order), a row alone and runs of rows that fill part
-/// of an m-tile or straddle two give the bits of the same rows in the batch, the fused op in place
-/// gives the bits out of place, and one graph of both, captured once, replays fresh inputs as eager
-/// runs compute them. H 300 takes the element-wise path (not a multiple of 8), H 1000 has a
-/// partial last split, H 4096 clusters of 16.
-fn pre_and_fused_on_clusters_match_the_other_paths_are_batch_invariant_and_replay_as_eager(dev: &Device) {
-    let fx = Fx::new(dev);
-    let pp = MhcPreParams::default();
-    let mut rng = Rng::new(13);
-    let light = is_cpu(dev) && cfg!(debug_assertions);
-    let cases: &[(usize, usize)] =
-        if light { &[(300, 40), (1000, 20)] } else { &[(300, 1000), (1000, 1000), (4096, 1000), (4096, 3)] };
-    for &(hidden, t) in cases {
-        let (d, n) = (N * hidden, N);
-        let ops = fx.ops(hidden, t).with_passes(MhcPasses::Clusters);
-        let default = fx.ops(hidden, t);
-        let portable = fx.ops(hidden, t).with_passes(MhcPasses::Clusters).with_projection(MhcProjection::Portable);
-        for op in [MhcOp::Pre, MhcOp::FusedPostPre] {
-            assert_eq!(ops.uses_clusters(op), dev.info().has_clusters(), "{op:?} H {hidden}");
-            assert_eq!(ops.launch_configs(op, t).len(), 1, "{op:?} H {hidden}: one launch");
-            assert!(!default.uses_clusters(op) && !portable.uses_clusters(op), "{op:?}: only where asked for");
-        }
-        let w = Weights::random(&mut rng, M, hidden, 3);
-        let residual = rng.bf16s(t * d, 1.5);
-        let inp = common::PostInputs::random(&mut rng, t, hidden);
-        let what = format!("on clusters H={hidden} T={t}");
-
-        let pre = PreBufs::new(&fx, &residual, &w, hidden);
-        pre.run(&fx, &ops, &pp).expect("mhc_pre on clusters");
-        let got = pre.outputs(&fx);
-        let want = reference::pre(&residual, &w.hc_fn, &w.scale, &w.base, hidden, &pp).expect("reference");
-        check_pre(dev, &format!("mhc_pre {what}"), &got, &want, &common::pre_f64(&residual, &w, hidden, &pp));
-        let other = PreBufs::new(&fx, &residual, &w, hidden);
-        other.run(&fx, &default, &pp).expect("mhc_pre");
-        assert!(other.outputs(&fx) == got, "mhc_pre {what}: bits differ from the default path's");
-
-        let fused = PostBufs::new(&fx, &inp);
-        let fused_pre = PreBufs::new(&fx, &vec![bf16::ZERO; t * d], &w, hidden);
-        fused.run_fused(&fx, &ops, &fused_pre, &pp).expect("fused on clusters");
-        let (fused_r, fused_got) = (fx.read(&fused.out.view()), fused_pre.outputs(&fx));
-        let (want_r, want) = reference::fused_post_pre(
-            &inp.x,
-            &inp.residual,
-            &inp.post,
-            &inp.comb,
-            &w.hc_fn,
-            &w.scale,
-            &w.base,
-            hidden,
-            &pp,
-        )
-        .expect("reference");
-        check_bf16(dev, &format!("fused residual_out {what}"), &fused_r, &want_r);
-        check_pre(dev, &format!("fused {what}"), &fused_got, &want, &common::fused_f64(&inp, &w, hidden, &pp).1);
-        let other = PostBufs::new(&fx, &inp);
-        let other_pre = PreBufs::new(&fx, &vec![bf16::ZERO; t * d], &w, hidden);
-        other.run_fused(&fx, &default, &other_pre, &pp).expect("fused");
-        assert_eq!(bits_bf16(&fx.read(&other.out.view())), bits_bf16(&fused_r), "fused residual_out {what}");
-        assert!(other_pre.outputs(&fx) == fused_got, "fused {what}: bits differ from the default path's");
-        let in_place = PostBufs::new(&fx, &inp);
-        let in_place_pre = PreBufs::new(&fx, &vec![bf16::ZERO; t * d], &w, hidden);
-        in_place.run_fused_in_place(&fx, &ops, &in_place_pre, &pp).expect("in-place fused on clusters");
-        assert_eq!(bits_bf16(&fx.read(&in_place.residual.view())), bits_bf16(&fused_r), "in place {what}");
-        assert!(in_place_pre.outputs(&fx) == fused_got, "in-place fused {what}");
-
-        // Rows alone and runs that fill part of an m-tile of 16 or straddle two.
-        for r in [0, 1, 15, t / 2 + 1, t - 1].into_iter().filter(|&r| r < t) {
-            for take in [1, 17] {
-                let rows = take.min(t - r);
-                let (a, b) = (r, r + rows);
-                let part = PreBufs::new(&fx, &residual[a * d..b * d], &w, hidden);
-                part.run(&fx, &ops, &pp).expect("mhc_pre rows");
-                let o = part.outputs(&fx);
-                let rows_what = format!("rows {a}..{b} {what}");
-                assert_eq!(bits_f32(&o.post), bits_f32(&got.post[a * n..b * n]), "mhc_pre post {rows_what}");
-                assert_eq!(bits_f32(&o.comb), bits_f32(&got.comb[a * n * n..b * n * n]), "mhc_pre comb {rows_what}");
-                assert_eq!(
-                    bits_bf16(&o.layer_input),
-                    bits_bf16(&got.layer_input[a * hidden..b * hidden]),
-                    "mhc_pre {rows_what}"
-                );
-                let part_in = common::PostInputs {
-                    x: inp.x[a * hidden..b * hidden].to_vec(),
-                    residual: inp.residual[a * d..b * d].to_vec(),
-                    post: inp.post[a * n..b * n].to_vec(),
-                    comb: inp.comb[a * n * n..b * n * n].to_vec(),
-                };
-                let f = PostBufs::new(&fx, &part_in);
-                let fp = PreBufs::new(&fx, &vec![bf16::ZERO; rows * d], &w, hidden);
-                f.run_fused(&fx, &ops, &fp, &pp).expect("fused rows");
-                assert_eq!(bits_bf16(&fx.read(&f.out.view())), bits_bf16(&fused_r[a * d..b * d]), "fused {rows_what}");
-                let o = fp.outputs(&fx);
-                assert_eq!(
-                    bits_bf16(&o.layer_input),
-                    bits_bf16(&fused_got.layer_input[a * hidden..b * hidden]),
-                    "fused {rows_what}"
-                );
-                assert_eq!(
-                    bits_f32(&o.comb),
-                    bits_f32(&fused_got.comb[a * n * n..b * n * n]),
-                    "fused comb {rows_what}"
-                );
-            }
-        }
-
-        // Captured once, replayed over fresh inputs: the eager bits each time.
-        let g_pre = PreBufs::new(&fx, &residual, &w, hidden);
-        let g_fused = PostBufs::new(&fx, &inp);
-        let g_fused_pre = PreBufs::new(&fx, &vec![bf16::ZERO; t * d], &w, hidden);
-        fx.s.begin_capture("mhc on clusters").expect("begin");
-        g_pre.run(&fx, &ops, &pp).expect("captured mhc_pre");
-        g_fused.run_fused(&fx, &ops, &g_fused_pre, &pp).expect("captured fused");
-        let g = fx.s.end_capture().expect("end");
-        assert_eq!(g.op_count(), 2, "one launch each");
-        for step in 0..2 {
-            let (fresh, fresh_in) = (rng.bf16s(t * d, 1.0), common::PostInputs::random(&mut rng, t, hidden));
-            fx.write(&g_pre.residual, &fresh);
-            fx.write(&pre.residual, &fresh);
-            g_fused.write(&fx, &fresh_in);
-            fused.write(&fx, &fresh_in);
-            g.replay(&fx.s).expect("replay");
-            pre.run(&fx, &ops, &pp).expect("eager mhc_pre");
-            fused.run_fused(&fx, &ops, &fused_pre, &pp).expect("eager fused");
-            assert!(g_pre.outputs(&fx) == pre.outputs(&fx), "mhc_pre replay {step} {what}");
-            assert_eq!(
-                bits_bf16(&fx.read(&g_fused.out.view())),
-                bits_bf16(&fx.read(&fused.out.view())),
-                "fused residual replay {step}"
-            );
-            assert!(g_fused_pre.outputs(&fx) == fused_pre.outputs(&fx), "fused replay {step} {what}");
         }
     }
 }
@@ -825,7 +668,7 @@ fn a_row_alone_equals_the_same_row_in_a_batch_of_1000(dev: &Device) {
 /// Captures all four ops at `t` tokens, then replays with fresh inputs three times; each replay
 /// must equal an eager run on the same inputs, bit for bit.
 fn graph_replays_with_fresh_inputs_equal_eager_runs(dev: &Device) {
-    for passes in [MhcPasses::Auto, MhcPasses::Two, MhcPasses::Clusters] {
+    for passes in [MhcPasses::Auto, MhcPasses::Two] {
         graph_replays_equal_eager_runs(dev, passes);
     }
 }
@@ -942,9 +785,20 @@ fn in_place_post_and_fused_equal_out_of_place(dev: &Device) {
     let (want_r, want) = (bits_bf16(&fx.read(&b.out.view())), bp.outputs(&fx));
     let c = PostBufs::new(&fx, &inp);
     let cp = PreBufs::new(&fx, &vec![bf16::ZERO; t * N * hidden], &wp, hidden);
-    c.run_fused_in_place(&fx, &ops, &cp, &pp).expect("in-place fused");
+    let (x, r, po, co) = (c.x.view(), c.residual.view(), c.post.view(), c.comb.view());
+    let (f, s, bb) = (cp.w[0].view(), cp.w[1].view(), cp.w[2].view());
+    let (opo, oco, oli) = (cp.post.view(), cp.comb.view(), cp.li.view());
+    ops.fused_post_pre(
+        &fx.s,
+        &MhcPostInputs { x: &x, residual: &r, post: &po, comb: &co },
+        &MhcPreWeights { hc_fn: &f, scale: &s, base: &bb },
+        &pp,
+        &r,
+        &MhcPreOutputs { post: &opo, comb: &oco, layer_input: &oli },
+    )
+    .expect("in-place fused");
     let got = cp.outputs(&fx);
-    assert_eq!(bits_bf16(&fx.read(&c.residual.view())), want_r, "in-place fused residual");
+    assert_eq!(bits_bf16(&fx.read(&r)), want_r, "in-place fused residual");
     assert_eq!(got, want, "in-place fused outputs");
 }
 
@@ -1171,6 +1025,5 @@ holdfast_hal::device_suite!(
     misuse_is_a_precise_error_and_launches_nothing,
     both_projection_paths_match_the_reference_and_every_tile_gives_the_same_bits,
     hc_head_on_clusters_matches_the_reference_is_batch_invariant_and_replays_as_eager,
-    pre_and_fused_on_clusters_match_the_other_paths_are_batch_invariant_and_replay_as_eager,
     the_finish_kernel_sums_the_partials_it_is_given,
 );
