@@ -11,6 +11,13 @@
 //! prints the mean time per call over `ITERS` calls after as many warm-up calls, the bytes the op
 //! moves ([`MhcOp::bytes_moved`]) and their rate, and a hash of the outputs (equal hashes: equal
 //! bits).
+//!
+//! `MHC_GRAPH=1` times replays of one captured graph of the call instead of eager calls.
+//! `MHC_CHUNKS=C` (implies a graph) cuts the T tokens into chunks of `C`, chunk `k` on stream
+//! `k mod 2` with an op of its own (its own workspace), the second stream forked into the capture
+//! and joined back: chunk `k + 1` runs beside chunk `k`, so a two-pass op's second pass can read
+//! its chunk of the residual while it is still in L2. Rows do not depend on T, so the hash equals
+//! the unchunked one.
 
 use holdfast_hal::{bf16, Buffer, Device, Element, Stream};
 use holdfast_mhc::{
@@ -46,6 +53,17 @@ fn passes() -> Res<MhcPasses> {
     }
 }
 
+/// `MHC_CHUNKS` (tokens per chunk, at least 1), if set.
+fn chunk_tokens() -> Res<Option<usize>> {
+    match std::env::var("MHC_CHUNKS") {
+        Err(_) => Ok(None),
+        Ok(v) => match v.parse::<usize>() {
+            Ok(c) if c > 0 => Ok(Some(c)),
+            _ => Err(format!("MHC_CHUNKS `{v}` (tokens per chunk, at least 1)").into()),
+        },
+    }
+}
+
 fn run() -> Res<()> {
     let a: Vec<String> = std::env::args().skip(1).collect();
     if a.len() != 4 {
@@ -56,11 +74,17 @@ fn run() -> Res<()> {
     let (h, t, iters) = (num(1, "H")?, num(2, "T")?, num(3, "ITERS")?);
     let (d, m) = (N * h, N * (N + 2));
     let dev = Device::open(&std::env::var("HOLDFAST_DEVICE").unwrap_or_else(|_| "cpu".into()))?;
-    let s = dev.create_stream()?;
+    let chunk = chunk_tokens()?;
+    let graph = chunk.is_some() || std::env::var("MHC_GRAPH").is_ok_and(|v| v == "1");
+    let (s, s2) = (dev.create_stream()?, dev.create_stream()?);
     let kernels = MhcKernels::new(&dev)?;
-    let ops = MhcOps::new(&dev, &kernels, MhcConfig { hc_mult: N, hidden: h, max_tokens: t.max(1) })?
-        .with_projection(MhcProjection::Auto)
-        .with_passes(passes()?);
+    let new_ops = |max_tokens: usize| -> Res<MhcOps> {
+        Ok(MhcOps::new(&dev, &kernels, MhcConfig { hc_mult: N, hidden: h, max_tokens: max_tokens.max(1) })?
+            .with_projection(MhcProjection::Auto)
+            .with_passes(passes()?))
+    };
+    let per = chunk.unwrap_or(t.max(1)).min(t.max(1));
+    let ops = (0..if chunk.is_some() { 2 } else { 1 }).map(|_| new_ops(per)).collect::<Res<Vec<_>>>()?;
     let pat = |i: usize, scale: f32| (((i.wrapping_mul(2_654_435_761) >> 20) & 255) as f32 / 128.0 - 1.0) * scale;
     let residual = from_fn(&dev, "residual", t * d, |i| bf16::from_f32(pat(i, 1.0)))?;
     let x = from_fn(&dev, "x", t * h, |i| bf16::from_f32(pat(i + 3, 1.0)))?;
@@ -76,41 +100,76 @@ fn run() -> Res<()> {
     let post_out = dev.alloc_zeroed::<f32>("post_out", (t * N).max(1), true)?;
     let comb_out = dev.alloc_zeroed::<f32>("comb_out", (t * N * N).max(1), true)?;
 
-    let (r, row, ores) = (residual.prefix(t * d)?, out_row.prefix(t * h)?, out_residual.prefix(t * d)?);
-    let (po, co) = (post_out.prefix(t * N)?, comb_out.prefix(t * N * N)?);
-    let (xv, pv, cv) = (x.prefix(t * h)?, post.prefix(t * N)?, comb.prefix(t * N * N)?);
     let (hf, pf, s1, s3, bn, bm) =
         (head_fn.view(), pre_fn.view(), scale1.view(), scale3.view(), base_n.view(), base_m.view());
-    let outs = MhcPreOutputs { post: &po, comb: &co, layer_input: &row };
     let pw = MhcPreWeights { hc_fn: &pf, scale: &s3, base: &bm };
-    let call = |s: &Stream| -> Res<()> {
+    // The op over tokens [t0, t0 + n) on stream `st` with `ops`.
+    let part = |ops: &MhcOps, st: &Stream, t0: usize, n: usize| -> Res<()> {
+        let (r, row, ores) =
+            (residual.slice(t0 * d, n * d)?, out_row.slice(t0 * h, n * h)?, out_residual.slice(t0 * d, n * d)?);
+        let (po, co) = (post_out.slice(t0 * N, n * N)?, comb_out.slice(t0 * N * N, n * N * N)?);
+        let (xv, pv, cv) = (x.slice(t0 * h, n * h)?, post.slice(t0 * N, n * N)?, comb.slice(t0 * N * N, n * N * N)?);
+        let outs = MhcPreOutputs { post: &po, comb: &co, layer_input: &row };
         match op {
             MhcOp::HcHead => ops.hc_head(
-                s,
+                st,
                 &r,
                 &HcHeadWeights { hc_fn: &hf, scale: &s1, base: &bn },
                 &HcHeadParams::default(),
                 &row,
             )?,
-            MhcOp::Pre => ops.pre(s, &r, &pw, &MhcPreParams::default(), &outs)?,
-            MhcOp::Post => ops.post(s, &xv, &r, &pv, &cv, &ores)?,
+            MhcOp::Pre => ops.pre(st, &r, &pw, &MhcPreParams::default(), &outs)?,
+            MhcOp::Post => ops.post(st, &xv, &r, &pv, &cv, &ores)?,
             MhcOp::FusedPostPre => {
                 let input = MhcPostInputs { x: &xv, residual: &r, post: &pv, comb: &cv };
-                ops.fused_post_pre(s, &input, &pw, &MhcPreParams::default(), &ores, &outs)?
+                ops.fused_post_pre(st, &input, &pw, &MhcPreParams::default(), &ores, &outs)?
             }
         }
         Ok(())
     };
+    // The whole call: one op over all T, or the chunks on two streams (inside a capture).
+    let chunks = t.div_ceil(per);
+    let call = |st: &Stream| -> Res<()> {
+        if chunk.is_none() {
+            return part(&ops[0], st, 0, t);
+        }
+        st.fork_capture(&s2)?;
+        for k in 0..chunks {
+            let t0 = k * per;
+            part(&ops[k % ops.len()], if k % 2 == 0 { st } else { &s2 }, t0, per.min(t - t0))?;
+        }
+        st.join_capture(&s2)?;
+        Ok(())
+    };
+    let captured = if graph {
+        s.begin_capture("mhc_case")?;
+        if let Err(e) = call(&s) {
+            s.abort_capture()?;
+            return Err(e);
+        }
+        Some(s.end_capture()?)
+    } else {
+        None
+    };
+    let run_once = || -> Res<()> {
+        match &captured {
+            Some(g) => g.replay(&s)?,
+            None => call(&s)?,
+        }
+        Ok(())
+    };
     for _ in 0..iters {
-        call(&s)?;
+        run_once()?;
     }
     s.synchronize()?;
     let start = std::time::Instant::now();
     for _ in 0..iters {
-        call(&s)?;
+        run_once()?;
     }
     s.synchronize()?;
     let per_call = start.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64;
+    let (row, ores) = (out_row.prefix(t * h)?, out_residual.prefix(t * d)?);
+    let (po, co) = (post_out.prefix(t * N)?, comb_out.prefix(t * N * N)?);
     let mut hash = 0xcbf2_9ce4_8422_2325u64;
     let mut fold = |bits: u64| hash = (hash ^ bits).wrapping_mul(0x0100_0000_01b3);
     for v in s.copy_to_host_sync(&row)? {
@@ -124,11 +183,16 @@ fn run() -> Res<()> {
     }
     let bytes = op.bytes_moved(t, h);
     println!(
-        "{} ({}): H {h}, T {t}, {} launch(es): {per_call:.1} µs per call, {bytes} bytes, {:.0} GB/s, output hash \
+        "{} ({}): H {h}, T {t}, {} launch(es){}: {per_call:.1} µs per call, {bytes} bytes, {:.0} GB/s, output hash \
          {hash:016x}",
         op.name(),
         dev.info().name,
-        ops.launch_configs(op, t).len(),
+        (0..chunks.max(1)).map(|k| ops[0].launch_configs(op, per.min(t - k * per)).len()).sum::<usize>(),
+        match (chunk, graph) {
+            (Some(_), _) => format!(" in {chunks} chunks of {per} on two streams, graph replay"),
+            (None, true) => " (graph replay)".to_string(),
+            (None, false) => String::new(),
+        },
         bytes as f64 / per_call / 1e3,
     );
     Ok(())
