@@ -135,8 +135,8 @@ fn run() -> Res<()> {
         }
         st.fork_capture(&s2)?;
         for k in 0..chunks {
-            let t0 = k * per;
-            part(&ops[k % ops.len()], if k % 2 == 0 { st } else { &s2 }, t0, per.min(t - t0))?;
+            let (t0, lane) = (k * per, k % 2);
+            part(&ops[lane], if lane == 0 { st } else { &s2 }, t0, per.min(t - t0))?;
         }
         st.join_capture(&s2)?;
         Ok(())
