@@ -17,7 +17,8 @@
 //! `k mod 2` with an op of its own (its own workspace), the second stream forked into the capture
 //! and joined back: chunk `k + 1` runs beside chunk `k`, so a two-pass op's second pass can read
 //! its chunk of the residual while it is still in L2. Rows do not depend on T, so the hash equals
-//! the unchunked one.
+//! the unchunked one. `MHC_LANES=1` keeps every chunk on the one stream (each chunk's passes
+//! back to back, no overlap between chunks).
 
 use holdfast_hal::{bf16, Buffer, Device, Element, Stream};
 use holdfast_mhc::{
@@ -53,6 +54,15 @@ fn passes() -> Res<MhcPasses> {
     }
 }
 
+/// `MHC_LANES` (streams the chunks go round, 1 or 2; default 2).
+fn lanes() -> Res<usize> {
+    match std::env::var("MHC_LANES").as_deref() {
+        Err(_) | Ok("2") => Ok(2),
+        Ok("1") => Ok(1),
+        Ok(other) => Err(format!("MHC_LANES `{other}` (1 or 2)").into()),
+    }
+}
+
 /// `MHC_CHUNKS` (tokens per chunk, at least 1), if set.
 fn chunk_tokens() -> Res<Option<usize>> {
     match std::env::var("MHC_CHUNKS") {
@@ -84,7 +94,8 @@ fn run() -> Res<()> {
             .with_passes(passes()?))
     };
     let per = chunk.unwrap_or(t.max(1)).min(t.max(1));
-    let ops = (0..if chunk.is_some() { 2 } else { 1 }).map(|_| new_ops(per)).collect::<Res<Vec<_>>>()?;
+    let lanes = if chunk.is_some() { lanes()? } else { 1 };
+    let ops = (0..lanes).map(|_| new_ops(per)).collect::<Res<Vec<_>>>()?;
     let pat = |i: usize, scale: f32| (((i.wrapping_mul(2_654_435_761) >> 20) & 255) as f32 / 128.0 - 1.0) * scale;
     let residual = from_fn(&dev, "residual", t * d, |i| bf16::from_f32(pat(i, 1.0)))?;
     let x = from_fn(&dev, "x", t * h, |i| bf16::from_f32(pat(i + 3, 1.0)))?;
@@ -133,12 +144,16 @@ fn run() -> Res<()> {
         if chunk.is_none() {
             return part(&ops[0], st, 0, t);
         }
-        st.fork_capture(&s2)?;
+        if lanes == 2 {
+            st.fork_capture(&s2)?;
+        }
         for k in 0..chunks {
-            let (t0, lane) = (k * per, k % 2);
+            let (t0, lane) = (k * per, k % lanes);
             part(&ops[lane], if lane == 0 { st } else { &s2 }, t0, per.min(t - t0))?;
         }
-        st.join_capture(&s2)?;
+        if lanes == 2 {
+            st.join_capture(&s2)?;
+        }
         Ok(())
     };
     let captured = if graph {
@@ -189,7 +204,7 @@ fn run() -> Res<()> {
         dev.info().name,
         (0..chunks.max(1)).map(|k| ops[0].launch_configs(op, per.min(t - k * per)).len()).sum::<usize>(),
         match (chunk, graph) {
-            (Some(_), _) => format!(" in {chunks} chunks of {per} on two streams, graph replay"),
+            (Some(_), _) => format!(" in {chunks} chunks of {per} on {lanes} stream(s), graph replay"),
             (None, true) => " (graph replay)".to_string(),
             (None, false) => String::new(),
         },
