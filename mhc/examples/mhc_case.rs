@@ -94,7 +94,10 @@ fn run() -> Res<()> {
             .with_passes(passes()?))
     };
     let per = chunk.unwrap_or(t.max(1)).min(t.max(1));
-    let lanes = if chunk.is_some() { lanes()? } else { 1 };
+    let lanes = match (chunk, lanes()?) {
+        (Some(_), l) => l,
+        (None, _) => 1,
+    };
     let ops = (0..lanes).map(|_| new_ops(per)).collect::<Res<Vec<_>>>()?;
     let pat = |i: usize, scale: f32| (((i.wrapping_mul(2_654_435_761) >> 20) & 255) as f32 / 128.0 - 1.0) * scale;
     let residual = from_fn(&dev, "residual", t * d, |i| bf16::from_f32(pat(i, 1.0)))?;
@@ -138,7 +141,7 @@ fn run() -> Res<()> {
         }
         Ok(())
     };
-    // The whole call: one op over all T, or the chunks on two streams (inside a capture).
+    // The whole call: one op over all T, or the chunks round the lanes (inside a capture).
     let chunks = t.div_ceil(per);
     let call = |st: &Stream| -> Res<()> {
         if chunk.is_none() {
