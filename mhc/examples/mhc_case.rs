@@ -19,6 +19,10 @@
 //! its chunk of the residual while it is still in L2. Rows do not depend on T, so the hash equals
 //! the unchunked one. `MHC_LANES=1` keeps every chunk on the one stream (each chunk's passes
 //! back to back, no overlap between chunks).
+//!
+//! `MHC_PIPE=C` runs the op itself on its chunked schedule ([`MhcOps::with_chunk_tokens`]: chunks
+//! of `C`, each chunk's finish on a second stream beside the next chunk's projection), eager or
+//! with `MHC_GRAPH=1`; not with `MHC_CHUNKS`.
 
 use holdfast_hal::{bf16, Buffer, Device, Element, Stream};
 use holdfast_mhc::{
@@ -74,6 +78,17 @@ fn chunk_tokens() -> Res<Option<usize>> {
     }
 }
 
+/// `MHC_PIPE` (tokens per chunk of the op's own chunked schedule, at least 1), if set.
+fn pipe_tokens() -> Res<Option<usize>> {
+    match std::env::var("MHC_PIPE") {
+        Err(_) => Ok(None),
+        Ok(v) => match v.parse::<usize>() {
+            Ok(c) if c > 0 => Ok(Some(c)),
+            _ => Err(format!("MHC_PIPE `{v}` (tokens per chunk, at least 1)").into()),
+        },
+    }
+}
+
 fn run() -> Res<()> {
     let a: Vec<String> = std::env::args().skip(1).collect();
     if a.len() != 4 {
@@ -85,13 +100,18 @@ fn run() -> Res<()> {
     let (d, m) = (N * h, N * (N + 2));
     let dev = Device::open(&std::env::var("HOLDFAST_DEVICE").unwrap_or_else(|_| "cpu".into()))?;
     let chunk = chunk_tokens()?;
+    let pipe = pipe_tokens()?;
+    if chunk.is_some() && pipe.is_some() {
+        return Err("MHC_CHUNKS and MHC_PIPE are two schedules: set one".into());
+    }
     let graph = chunk.is_some() || std::env::var("MHC_GRAPH").is_ok_and(|v| v == "1");
     let (s, s2) = (dev.create_stream()?, dev.create_stream()?);
     let kernels = MhcKernels::new(&dev)?;
     let new_ops = |max_tokens: usize| -> Res<MhcOps> {
         Ok(MhcOps::new(&dev, &kernels, MhcConfig { hc_mult: N, hidden: h, max_tokens: max_tokens.max(1) })?
             .with_projection(MhcProjection::Auto)
-            .with_passes(passes()?))
+            .with_passes(passes()?)
+            .with_chunk_tokens(&dev, pipe)?)
     };
     let per = chunk.unwrap_or(t.max(1)).min(t.max(1));
     let lanes = match (chunk, lanes()?) {

@@ -60,6 +60,28 @@ fn check_workspace(
     at_least(l, "sync", sync, 1 + 2 * tokens.div_ceil(tile))
 }
 
+/// Whether a `mhc_pre` / fused launch is the streamed projection pass (`finish_tokens` at
+/// `finish_at` 0 and `resident` after it with bit 2, `MHC_STREAM`): on GPUs a tensor-core pass;
+/// here the reference's split partials (the same bits as the one-launch path once the finish pass
+/// sums them in split order).
+fn streamed(l: &CpuLaunch<'_>, finish_at: usize) -> HalResult<bool> {
+    Ok(l.count(finish_at)? == 0 && l.u32(finish_at + 1)? & 4 != 0)
+}
+
+/// The streamed projection's output: the split partials `[T, S, 25]` of the rows `x` (`[T, n,
+/// H]` in f32) into `partials`.
+fn write_partials(
+    l: &CpuLaunch<'_>,
+    partials: &holdfast_hal::CpuPtr<'_, f32>,
+    x: &[f32],
+    hc_fn: &[f32],
+    hidden: usize,
+) -> HalResult<()> {
+    let p = reference::pre_partials(x, hc_fn, hidden);
+    at_least(l, "partials", partials.len(), p.len())?;
+    partials.write(0, &p)
+}
+
 /// `hc_head` by the reference from the kernels' leading arguments (`residual, fn, scale, base,
 /// out`) for `t` tokens of hidden size `h`.
 fn hc_head_by_reference(l: &CpuLaunch<'_>, t: usize, h: usize, params: &HcHeadParams) -> HalResult<()> {
@@ -114,6 +136,12 @@ fn pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (partials, sync) = (l.ptr::<f32>(7)?, l.ptr::<u32>(8)?);
     let (t, h) = (l.count(9)?, l.count(10)?);
     let params = pre_params(l, 11)?;
+    if streamed(l, 17)? {
+        let d = HC_MULT * h;
+        at_least(l, "residual", residual.len(), t * d)?;
+        let r = reference::to_f32(&residual.read(0, t * d)?);
+        return write_partials(l, &partials, &r, &hc_fn.read(0, PRE_ROWS * d)?, h);
+    }
     check_workspace(l, t, h, crate::plan::workspace_floats, partials.len(), sync.len(), 16)?;
     let (n, d) = (HC_MULT, HC_MULT * h);
     at_least(l, "residual", residual.len(), t * d)?;
@@ -183,7 +211,10 @@ fn fused_post_pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (partials, sync) = (l.ptr::<f32>(11)?, l.ptr::<u32>(12)?);
     let (t, h) = (l.count(13)?, l.count(14)?);
     let params = pre_params(l, 15)?;
-    check_workspace(l, t, h, crate::plan::workspace_floats, partials.len(), sync.len(), 20)?;
+    let stream = streamed(l, 21)?;
+    if !stream {
+        check_workspace(l, t, h, crate::plan::workspace_floats, partials.len(), sync.len(), 20)?;
+    }
     let (n, d) = (HC_MULT, HC_MULT * h);
     at_least(l, "x", x.len(), t * h)?;
     at_least(l, "residual", residual.len(), t * d)?;
@@ -197,6 +228,11 @@ fn fused_post_pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (xs, rs) = (x.read(0, t * h)?, residual.read(0, t * d)?);
     let (pi, ci) = (post_in.read(0, t * n)?, comb_in.read(0, t * n * n)?);
     let mut ro = vec![bf16::ZERO; t * d];
+    if stream {
+        reference::post_into(&xs, &rs, &pi, &ci, h, &mut ro).map_err(|e| fail(l, e))?;
+        write_partials(l, &partials, &reference::to_f32(&ro), &hc_fn.read(0, PRE_ROWS * d)?, h)?;
+        return residual_out.write(0, &ro);
+    }
     let (mut po, mut co, mut li) = (vec![0.0f32; t * n], vec![0.0f32; t * n * n], vec![bf16::ZERO; t * h]);
     let slices = PreOutputSlices { post: &mut po, comb: &mut co, layer_input: &mut li };
     reference::fused_post_pre_into(

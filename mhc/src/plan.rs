@@ -225,6 +225,10 @@ pub(crate) struct ReduceShape {
     pub max_shared: u32,
     /// One launch or two for `mhc_pre` and the fused op on tensor cores.
     pub passes: crate::MhcPasses,
+    /// The CPU backend, which emulates the streamed projection pass with the reference's split
+    /// partials: [`crate::MhcPasses::Two`] takes the two passes there too (unless the portable
+    /// path is chosen), so their schedule runs without a GPU.
+    pub emulated_stream: bool,
 }
 
 impl ReduceShape {
@@ -255,6 +259,9 @@ impl ReduceShape {
 pub(crate) fn reduce(kind: Reduce, tokens: usize, hidden: usize, units: usize, shape: ReduceShape) -> ReducePlan {
     let s = splits(hidden);
     let units = units.max(1);
+    if kind != Reduce::Head && shape.emulated_stream && shape.passes == crate::MhcPasses::Two {
+        return stream(kind, tokens, hidden, units);
+    }
     if shape.mma_for(kind) && resident_fits(kind, hidden, units, shape.max_shared) {
         let two = match shape.passes {
             crate::MhcPasses::Auto => stream_pays(kind, tokens, hidden, units),
@@ -499,6 +506,7 @@ mod tests {
                                 tile_tokens: forced,
                                 max_shared: holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK,
                                 passes: crate::MhcPasses::One,
+                                emulated_stream: false,
                             },
                         );
                         let s = splits(hidden);
@@ -544,8 +552,14 @@ mod tests {
     fn two_pass_plans_cover_every_unit_and_give_the_finish_grid_two_blocks_per_multiprocessor() {
         use crate::MhcPasses;
         let sm90 = holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK;
-        let shape =
-            ReduceShape { mma: true, head_mma: true, tile_tokens: None, max_shared: sm90, passes: MhcPasses::Auto };
+        let shape = ReduceShape {
+            mma: true,
+            head_mma: true,
+            tile_tokens: None,
+            max_shared: sm90,
+            passes: MhcPasses::Auto,
+            emulated_stream: false,
+        };
         for kind in [Reduce::Pre, Reduce::Fused] {
             for hidden in [300, 1000, 4096, 7168] {
                 for tokens in [1, 64, 511, 512, 1000, 1024, 16_384] {
@@ -601,6 +615,7 @@ mod tests {
             tile_tokens: None,
             max_shared: holdfast_hal::SM90_MAX_SHARED_MEM_PER_BLOCK,
             passes: crate::MhcPasses::One,
+            emulated_stream: false,
         };
         let tile = |kind, t, h| reduce(kind, t, h, 132, shape).tile_tokens;
         // mhc_pre, H 4096 (16 splits): 1024 tokens fit two waves of 64-token tiles (256 blocks)
@@ -634,6 +649,7 @@ mod tests {
             tile_tokens: None,
             max_shared: sm80,
             passes: crate::MhcPasses::One,
+            emulated_stream: false,
         };
         for kind in [Reduce::Head, Reduce::Pre, Reduce::Fused] {
             for t in [1, 1024, 16_384] {

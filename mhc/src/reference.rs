@@ -105,48 +105,72 @@ fn transpose(hc_fn: &[f32], rows: usize, d: usize) -> Vec<f32> {
 /// this is also the CPU backend's kernel and runs in unoptimised test builds.)
 #[allow(clippy::needless_range_loop)] // index loops: faster than iterator chains unoptimised
 pub(crate) fn project<const V: usize>(x: &[f32], fnt: &[f32], hidden: usize, sub: usize, out: &mut [f32; V]) {
+    for s in 0..splits(hidden) {
+        let part = project_split::<V>(x, fnt, hidden, sub, s);
+        if s == 0 {
+            *out = part;
+        } else {
+            for k in 0..V {
+                out[k] += part[k];
+            }
+        }
+    }
+}
+
+/// Split `s`'s part of [`project`] (what one split's projection item writes to the partials;
+/// [`project`] sums the splits' parts in split order).
+#[allow(clippy::needless_range_loop)]
+pub(crate) fn project_split<const V: usize>(x: &[f32], fnt: &[f32], hidden: usize, sub: usize, s: usize) -> [f32; V] {
     let rows = V - 1;
     let quads = hidden.div_ceil(QUAD);
     let rounds = SPLIT_QUADS / sub;
-    for s in 0..splits(hidden) {
-        let mut lanes = [[0.0f32; V]; SPLIT_QUADS];
-        for k in 0..sub {
-            let acc = &mut lanes[k];
-            for r in 0..rounds {
-                let q = s * SPLIT_QUADS + k + sub * r;
-                if q >= quads {
-                    break;
-                }
-                let (h0, h1) = (q * QUAD, ((q + 1) * QUAD).min(hidden));
-                for i in 0..HC_MULT {
-                    for e in i * hidden + h0..i * hidden + h1 {
-                        let xv = x[e];
-                        let w = &fnt[e * rows..(e + 1) * rows];
-                        acc[0] = xv.mul_add(xv, acc[0]);
-                        for j in 0..rows {
-                            acc[1 + j] = xv.mul_add(w[j], acc[1 + j]);
-                        }
+    let mut lanes = [[0.0f32; V]; SPLIT_QUADS];
+    for k in 0..sub {
+        let acc = &mut lanes[k];
+        for r in 0..rounds {
+            let q = s * SPLIT_QUADS + k + sub * r;
+            if q >= quads {
+                break;
+            }
+            let (h0, h1) = (q * QUAD, ((q + 1) * QUAD).min(hidden));
+            for i in 0..HC_MULT {
+                for e in i * hidden + h0..i * hidden + h1 {
+                    let xv = x[e];
+                    let w = &fnt[e * rows..(e + 1) * rows];
+                    acc[0] = xv.mul_add(xv, acc[0]);
+                    for j in 0..rows {
+                        acc[1 + j] = xv.mul_add(w[j], acc[1 + j]);
                     }
                 }
             }
         }
-        let mut m = sub / 2;
-        while m >= 1 {
-            for l in 0..m {
-                for k in 0..V {
-                    lanes[l][k] += lanes[l + m][k];
-                }
-            }
-            m /= 2;
-        }
-        if s == 0 {
-            *out = lanes[0];
-        } else {
-            for k in 0..V {
-                out[k] += lanes[0][k];
-            }
-        }
     }
+    let mut m = sub / 2;
+    while m >= 1 {
+        for l in 0..m {
+            for k in 0..V {
+                lanes[l][k] += lanes[l + m][k];
+            }
+        }
+        m /= 2;
+    }
+    lanes[0]
+}
+
+/// The split partials of `mhc_pre`'s projection for each token of `x` (`[T, n, H]` in f32):
+/// `[T, S, 1 + n(n+2)]`, token `t`'s split `s` being [`project_split`] (what the streamed
+/// projection pass writes and the finish pass sums in split order).
+pub(crate) fn pre_partials(x: &[f32], hc_fn: &[f32], hidden: usize) -> Vec<f32> {
+    let d = HC_MULT * hidden;
+    let (s, v) = (splits(hidden), PRE_ROWS + 1);
+    let fnt = transpose(hc_fn, PRE_ROWS, d);
+    let mut out = vec![0.0f32; x.len() / d.max(1) * s * v];
+    out.par_chunks_mut(s * v).zip(x.par_chunks(d.max(1))).for_each(|(row, x)| {
+        for (split, part) in row.chunks_exact_mut(v).enumerate() {
+            part.copy_from_slice(&project_split::<{ PRE_ROWS + 1 }>(x, &fnt, hidden, PRE_LANES, split));
+        }
+    });
+    out
 }
 
 /// `1 / sqrt(ss / D + eps)`.
