@@ -167,9 +167,9 @@ fn pre_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 }
 
 /// `mhc_pre_finish_n4`: the second pass after a streamed projection, from the partials `[T, S, 25]`
-/// (summed in split order, as the kernel does) and the residual. The CPU backend never runs the
-/// streamed projection (it has no tensor cores); this runs the finish on partials put there by
-/// whoever fills them.
+/// (summed in split order, as the kernel does) and the residual: after the CPU backend's
+/// streamed projection (the reference's split partials), or on partials put there by whoever
+/// fills them.
 fn pre_finish_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
     let (residual, scale, base) = (l.ptr::<bf16>(0)?, l.ptr::<f32>(1)?, l.ptr::<f32>(2)?);
     let (post, comb, layer, partials) = (l.ptr::<f32>(3)?, l.ptr::<f32>(4)?, l.ptr::<bf16>(5)?, l.ptr::<f32>(6)?);
@@ -292,8 +292,9 @@ fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 ///   layer_input [T,H], partials [T,S,m+1], T, H, rms_eps, pre_eps, sinkhorn_eps, post_mult,
 ///   sinkhorn_iters)`: the second launch after a streamed projection (grid `(ceil(T / 16), parts)`)
 ///
-/// `resident` bit 2 (with `finish_tokens = 0`, `mhc_pre` and the fused op, tensor cores only)
-/// makes the launch the streamed projection pass: partials only (and the fused op's
+/// `resident` bit 2 (with `finish_tokens = 0`, `mhc_pre` and the fused op, tensor cores only on
+/// GPUs; the CPU backend writes the reference's split partials) makes the launch the streamed
+/// projection pass: partials only (and the fused op's
 /// `residual_out`), grid `S · per`, block `b` taking split `b / per` and the `(b % per)`-th equal
 /// run of the `ceil(T / 16)` m-tiles, dynamic shared memory of 3 stages (the fused op: 4);
 /// `mhc_pre_finish_n4` on the (post-mixed) residual then writes the outputs.

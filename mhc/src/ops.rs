@@ -50,7 +50,9 @@ pub enum MhcProjection {
 }
 
 /// How many launches `mhc_pre` and the fused op make on tensor cores (the portable path and
-/// `hc_head` always make one). Every choice gives the same bits.
+/// `hc_head` always make one; the CPU backend, which emulates the streamed projection, makes two
+/// under [`MhcPasses::Two`] unless the portable path is chosen). Every choice gives the same
+/// bits; [`MhcOps::with_chunk_tokens`] can run the two passes over chunks of `T`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MhcPasses {
     /// Two where every multiprocessor has enough work for them to pay (`T · ceil(H / 256)` at
