@@ -294,10 +294,10 @@ fn post_cpu(l: &CpuLaunch<'_>) -> HalResult<()> {
 ///
 /// `resident` bit 2 (with `finish_tokens = 0`, `mhc_pre` and the fused op, tensor cores only on
 /// GPUs; the CPU backend writes the reference's split partials) makes the launch the streamed
-/// projection pass: partials only (and the fused op's
-/// `residual_out`), grid `S · per`, block `b` taking split `b / per` and the `(b % per)`-th equal
-/// run of the `ceil(T / 16)` m-tiles, dynamic shared memory of 3 stages (the fused op: 4);
-/// `mhc_pre_finish_n4` on the (post-mixed) residual then writes the outputs.
+/// projection pass: partials only (and the fused op's `residual_out`), grid `S · per`, block `b`
+/// taking split `b / per` and the `(b % per)`-th equal run of the `ceil(T / 16)` m-tiles, dynamic
+/// shared memory of 3 stages (the fused op: 4); `mhc_pre_finish_n4` on the (post-mixed) residual
+/// then writes the outputs.
 ///
 /// `finish_tokens = 0` selects the resident tensor-core items (sm_80+ only; grid `tiles · S`,
 /// dynamic shared memory per `tile_tokens`); `1..=16` the portable projection and finish items

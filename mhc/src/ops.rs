@@ -120,9 +120,11 @@ impl MhcPreOutputs<'_> {
 ///
 /// Every op takes caller-provided views (exact lengths for the call's `T`, derived from the
 /// residual's length), validates them, and enqueues one kernel launch on the stream (none for
-/// `T = 0`; two for `mhc_pre` and the fused op where they take [`MhcPasses::Two`]). Launch
-/// shapes depend on `T` alone, so the ops are capturable: capture at a padded `T` with views of
-/// persistent buffers and replay with fresh contents.
+/// `T = 0`; two for `mhc_pre` and the fused op where they take [`MhcPasses::Two`], two per chunk
+/// under [`MhcOps::with_chunk_tokens`], the finishes on the ops' own second stream, which the
+/// caller's stream waits for before the op returns). Launch shapes depend on `T` alone, so the
+/// ops are capturable: capture at a padded `T` with views of persistent buffers and replay with
+/// fresh contents.
 ///
 /// The split-reduction ops (`hc_head`, `mhc_pre`, `mhc_fused_post_pre`) share one persistent
 /// workspace owned here. Launches on one stream are ordered and leave it ready for the next, but
@@ -326,7 +328,8 @@ impl MhcOps {
     }
 
     /// Every launch `op` makes for `tokens` tokens, in order (none for 0; two where `mhc_pre` or
-    /// the fused op takes [`MhcPasses::Two`]). A function of `tokens` for a given `MhcOps`.
+    /// the fused op takes [`MhcPasses::Two`]; under [`Self::with_chunk_tokens`] each chunk's
+    /// projection and finish, chunk by chunk). A function of `tokens` for a given `MhcOps`.
     pub fn launch_configs(&self, op: MhcOp, tokens: usize) -> Vec<LaunchConfig> {
         if let Some(kind) = Reduce::of(op) {
             if let Some((per, plans)) = self.chunk_plans(kind, tokens) {

@@ -559,3 +559,37 @@ pub fn fused_post_pre(
     fused_post_pre_into(x, residual, post, comb, hc_fn, scale, base, hidden, params, &mut r, slices)?;
     Ok((r, o))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The streamed projection's split partials (what the CPU backend's projection pass writes),
+    /// summed in split order as the finish pass sums them, give [`pre_sums`] bit for bit, at
+    /// hidden sizes with a short last split.
+    #[test]
+    fn split_partials_sum_to_the_projection_sums() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        for hidden in [1, 255, 300, 1000] {
+            let (t, d, v) = (5, HC_MULT * hidden, PRE_ROWS + 1);
+            let residual: Vec<bf16> = (0..t * d).map(|_| bf16::from_f32(next() * 1.5)).collect();
+            let hc_fn: Vec<f32> = (0..PRE_ROWS * d).map(|_| next() * 0.05).collect();
+            let want = pre_sums(&residual, &hc_fn, hidden).expect("sums");
+            let parts = pre_partials(&to_f32(&residual), &hc_fn, hidden);
+            let s = splits(hidden);
+            assert_eq!(parts.len(), t * s * v);
+            for k in 0..t {
+                for j in 0..v {
+                    let sum = (1..s).fold(parts[k * s * v + j], |a, split| a + parts[(k * s + split) * v + j]);
+                    assert_eq!(sum.to_bits(), want[k * v + j].to_bits(), "H {hidden} token {k} sum {j}");
+                }
+            }
+        }
+    }
+}
