@@ -1,6 +1,6 @@
 //! [`MhcOps`]: the launchers, their configuration and their workspace.
 
-use holdfast_hal::{bf16, BackendKind, Buffer, Device, Event, LaunchConfig, RawView, Stream, View};
+use holdfast_hal::{bf16, Arg, BackendKind, Buffer, Device, Event, Kernel, LaunchConfig, RawView, Stream, View};
 
 use crate::error::{MhcError, Result};
 use crate::kernels::MhcKernels;
@@ -446,42 +446,53 @@ impl MhcOps {
         Ok(t)
     }
 
-    /// The second of the two passes ([`MhcPasses::Two`]): `mhc_pre_finish_n4` with launch
-    /// `config` on `residual` (the fused op's `residual_out`) and the projection's `partials`,
-    /// for the tokens of `out`.
+    /// Enqueues one [`PassLaunch`] of `mhc_pre` or the fused op over its tokens: the projection
+    /// `kernel` (the one launch, or the streamed projection) with `lead`, its arguments before the
+    /// workspace, then the shared tail (workspace, sizes, `params`, the plan's tile, finish and
+    /// flags); or the second of the two passes ([`MhcPasses::Two`]), `mhc_pre_finish_n4` on `rows`
+    /// (the residual the finish reads: `mhc_pre`'s input, the fused op's `residual_out`) and the
+    /// projection's partials, where the plan has one. `out`: these tokens' outputs.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn launch_finish(
+    pub(crate) fn launch_pre_pass(
         &self,
-        stream: &Stream,
-        config: LaunchConfig,
-        residual: &View<bf16>,
+        l: &PassLaunch<'_>,
+        kernel: &Kernel,
+        lead: &[Arg],
+        rows: &View<bf16>,
         weights: &MhcPreWeights<'_>,
         params: &MhcPreParams,
         out: &MhcPreOutputs<'_>,
-        partials: &View<f32>,
     ) -> Result<()> {
-        let tokens = out.post.len() / HC_MULT;
-        stream.launch_dependent(
-            &self.kernels.pre_finish,
-            config,
-            &[
-                residual.into(),
-                weights.scale.into(),
-                weights.base.into(),
-                out.post.into(),
-                out.comb.into(),
-                out.layer_input.into(),
-                partials.into(),
-                (tokens as u32).into(),
-                (self.config.hidden as u32).into(),
-                params.rms_eps.into(),
-                params.pre_eps.into(),
-                params.sinkhorn_eps.into(),
-                params.post_mult.into(),
-                params.sinkhorn_iters.into(),
-            ],
-        )?;
-        Ok(())
+        let p = l.plan;
+        let pre = [
+            params.rms_eps.into(),
+            params.pre_eps.into(),
+            params.sinkhorn_eps.into(),
+            params.post_mult.into(),
+            params.sinkhorn_iters.into(),
+        ];
+        let sizes = [(l.n as u32).into(), (self.config.hidden as u32).into()];
+        match (l.pass, p.finish) {
+            // `mhc_pre_finish_n4` on `rows` and the projection's partials.
+            (Pass::Finish, Some(config)) => {
+                let head = [
+                    rows.into(),
+                    weights.scale.into(),
+                    weights.base.into(),
+                    out.post.into(),
+                    out.comb.into(),
+                    out.layer_input.into(),
+                    l.partials.into(),
+                ];
+                Ok(l.stream.launch_dependent(&self.kernels.pre_finish, config, &[&head[..], &sizes, &pre].concat())?)
+            }
+            (Pass::Finish, None) => Ok(()),
+            (Pass::Project, _) => {
+                let workspace = [l.partials.into(), (&self.sync).into()];
+                let tiles = [(p.tile_tokens as u32).into(), (p.finish_tokens as u32).into(), p.flags().into()];
+                Ok(l.stream.launch_dependent(kernel, p.config, &[lead, &workspace, &sizes, &pre, &tiles].concat())?)
+            }
+        }
     }
 
     pub(crate) fn check_pre_weights(&self, op: &'static str, w: &MhcPreWeights<'_>) -> Result<()> {

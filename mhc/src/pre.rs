@@ -3,7 +3,7 @@
 use holdfast_hal::{bf16, Stream, View};
 
 use crate::error::Result;
-use crate::ops::{disjoint, MhcOps, MhcPreOutputs, MhcPreWeights, Pass};
+use crate::ops::{disjoint, MhcOps, MhcPreOutputs, MhcPreWeights};
 use crate::params::MhcPreParams;
 use crate::plan::Reduce;
 use crate::HC_MULT;
@@ -41,41 +41,19 @@ impl MhcOps {
         }
         let (h, d) = (self.config.hidden, HC_MULT * self.config.hidden);
         self.schedule(stream, Reduce::Pre, t, &|l| {
-            let (st, t0, n, p) = (l.stream, l.t0, l.n, l.plan);
-            let residual = residual.slice(t0 * d, n * d)?;
-            let (post, comb, layer_input) = out.rows(t0, n, h)?;
+            let residual = residual.slice(l.t0 * d, l.n * d)?;
+            let (post, comb, layer_input) = out.rows(l.t0, l.n, h)?;
             let out = MhcPreOutputs { post: &post, comb: &comb, layer_input: &layer_input };
-            match (l.pass, p.finish) {
-                (Pass::Finish, Some(config)) => {
-                    self.launch_finish(st, config, &residual, weights, params, &out, l.partials)
-                }
-                (Pass::Finish, None) => Ok(()),
-                (Pass::Project, _) => Ok(st.launch_dependent(
-                    &self.kernels.pre,
-                    p.config,
-                    &[
-                        (&residual).into(),
-                        weights.hc_fn.into(),
-                        weights.scale.into(),
-                        weights.base.into(),
-                        out.post.into(),
-                        out.comb.into(),
-                        out.layer_input.into(),
-                        l.partials.into(),
-                        (&self.sync).into(),
-                        (n as u32).into(),
-                        (h as u32).into(),
-                        params.rms_eps.into(),
-                        params.pre_eps.into(),
-                        params.sinkhorn_eps.into(),
-                        params.post_mult.into(),
-                        params.sinkhorn_iters.into(),
-                        (p.tile_tokens as u32).into(),
-                        (p.finish_tokens as u32).into(),
-                        p.flags().into(),
-                    ],
-                )?),
-            }
+            let lead = [
+                (&residual).into(),
+                weights.hc_fn.into(),
+                weights.scale.into(),
+                weights.base.into(),
+                out.post.into(),
+                out.comb.into(),
+                out.layer_input.into(),
+            ];
+            self.launch_pre_pass(l, &self.kernels.pre, &lead, &residual, weights, params, &out)
         })
     }
 }
