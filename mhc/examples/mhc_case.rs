@@ -67,24 +67,13 @@ fn lanes() -> Res<usize> {
     }
 }
 
-/// `MHC_CHUNKS` (tokens per chunk, at least 1), if set.
-fn chunk_tokens() -> Res<Option<usize>> {
-    match std::env::var("MHC_CHUNKS") {
+/// A positive count from the environment variable `name` (tokens per chunk), if set.
+fn tokens_per_chunk(name: &str) -> Res<Option<usize>> {
+    match std::env::var(name) {
         Err(_) => Ok(None),
         Ok(v) => match v.parse::<usize>() {
             Ok(c) if c > 0 => Ok(Some(c)),
-            _ => Err(format!("MHC_CHUNKS `{v}` (tokens per chunk, at least 1)").into()),
-        },
-    }
-}
-
-/// `MHC_PIPE` (tokens per chunk of the op's own chunked schedule, at least 1), if set.
-fn pipe_tokens() -> Res<Option<usize>> {
-    match std::env::var("MHC_PIPE") {
-        Err(_) => Ok(None),
-        Ok(v) => match v.parse::<usize>() {
-            Ok(c) if c > 0 => Ok(Some(c)),
-            _ => Err(format!("MHC_PIPE `{v}` (tokens per chunk, at least 1)").into()),
+            _ => Err(format!("{name} `{v}` (tokens per chunk, at least 1)").into()),
         },
     }
 }
@@ -99,8 +88,8 @@ fn run() -> Res<()> {
     let (h, t, iters) = (num(1, "H")?, num(2, "T")?, num(3, "ITERS")?);
     let (d, m) = (N * h, N * (N + 2));
     let dev = Device::open(&std::env::var("HOLDFAST_DEVICE").unwrap_or_else(|_| "cpu".into()))?;
-    let chunk = chunk_tokens()?;
-    let pipe = pipe_tokens()?;
+    // MHC_CHUNKS: chunks as ops of their own; MHC_PIPE: the op's own chunked schedule.
+    let (chunk, pipe) = (tokens_per_chunk("MHC_CHUNKS")?, tokens_per_chunk("MHC_PIPE")?);
     if chunk.is_some() && pipe.is_some() {
         return Err("MHC_CHUNKS and MHC_PIPE are two schedules: set one".into());
     }
