@@ -21,7 +21,7 @@ if [[ -z "$bin" ]]; then
 fi
 export HOLDFAST_DEVICE="${HOLDFAST_DEVICE:-cuda:0}"
 shapes="${SHAPES:-mhc_pre:4096:16384 mhc_fused_post_pre:4096:16384 mhc_pre:4096:4096 mhc_pre:7168:16384 mhc_fused_post_pre:7168:4096}"
-variants="${VARIANTS:-eager graph p1024 p2048 p4096 gp2048 512 2048 t512 l2048}"
+variants="${VARIANTS:-eager graph p256 p512 p1024 gp512 512 2048 t512 l2048}"
 
 # The kernels compile once (NVRTC, cached on disk) before anything is timed.
 "$bin" mhc_pre 4096 64 1 >/dev/null
