@@ -1,6 +1,8 @@
 //! [`MhcOps`]: the launchers, their configuration and their workspace.
 
-use holdfast_hal::{bf16, Arg, BackendKind, Buffer, Device, Event, Kernel, LaunchConfig, RawView, Stream, View};
+use holdfast_hal::{
+    bf16, Arg, BackendKind, Buffer, Device, Event, Kernel, LaunchConfig, RawView, Stream, StreamPriority, View,
+};
 
 use crate::error::{MhcError, Result};
 use crate::kernels::MhcKernels;
@@ -244,7 +246,7 @@ impl MhcOps {
     /// Runs the two passes of `mhc_pre` and the fused op over chunks of `chunk_tokens` tokens
     /// where they take two passes ([`MhcPasses`]) and `T` exceeds one chunk: chunk `k`'s
     /// projection on the caller's stream, its finish on a second stream (created here on
-    /// `device`), so that chunk `k`'s finish runs beside chunk `k + 1`'s projection and reads
+    /// `device`, at [`StreamPriority::High`]), so that chunk `k`'s finish runs beside chunk `k + 1`'s projection and reads
     /// chunk `k`'s residual rows while they are still in L2. Two chunks' partials alternate in the
     /// workspace; chunk `k + 2`'s projection waits for chunk `k`'s finish, and the op returns with
     /// the caller's stream ordered after the last finish (events outside a capture, a fork and a
@@ -263,7 +265,12 @@ impl MhcOps {
                 }
                 Some(Chunks {
                     tokens,
-                    aux: device.create_stream()?,
+                    // The finishes at the device's greatest priority: where a finish and the
+                    // next projection both wait for multiprocessors, the finish goes first (its
+                    // rows are in L2 now, and the projection after next needs its partials
+                    // region back). A projection block fills a multiprocessor's registers, so
+                    // the two do not share one.
+                    aux: device.create_stream_with_priority(StreamPriority::High)?,
                     projected: device.create_event()?,
                     finished: device.create_event()?,
                 })

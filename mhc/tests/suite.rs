@@ -1020,7 +1020,8 @@ fn the_finish_kernel_sums_the_partials_it_is_given(dev: &Device) {
 }
 
 /// The chunked two-pass schedule ([`MhcOps::with_chunk_tokens`]): `mhc_pre` and the fused op
-/// over chunks (several, a last short one, one chunk of all T, a chunk past T) give the bits of
+/// over chunks (several, a last short one, two chunks of about half T each, which can need the
+/// workspace's slack, one chunk of all T, a chunk past T) give the bits of
 /// the unchunked two passes and the reference, eager and as a graph replayed with fresh inputs,
 /// and report every launch they make (the graph holds them all). On the CPU backend the streamed
 /// projection is emulated, so the schedule (slices, partials regions, events, the fork and joins
@@ -1074,7 +1075,7 @@ fn the_chunked_schedule_gives_the_same_bits_eager_and_replayed(dev: &Device) {
         &common::pre_f64(&fx.read(&pre.residual.view()), &w, hidden, &pp),
     );
     let passes = 1 + usize::from(two);
-    for chunk in [16, 37, t, 1000] {
+    for chunk in [16, 37, t / 2 + 1, t - 1, t, 1000] {
         let ops = fx.ops(hidden, t).with_passes(MhcPasses::Two).with_chunk_tokens(dev, Some(chunk)).expect("chunks");
         let chunks = if two && chunk < t { t.div_ceil(chunk) } else { 1 };
         for op in [MhcOp::Pre, MhcOp::FusedPostPre] {
