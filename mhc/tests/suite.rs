@@ -1020,12 +1020,12 @@ fn the_finish_kernel_sums_the_partials_it_is_given(dev: &Device) {
 }
 
 /// The chunked two-pass schedule ([`MhcOps::with_chunk_tokens`]): `mhc_pre` and the fused op
-/// over chunks (several, a last short one, two chunks of about half T each, which can need the
-/// workspace's slack, one chunk of all T, a chunk past T) give the bits of
-/// the unchunked two passes and the reference, eager and as a graph replayed with fresh inputs,
-/// and report every launch they make (the graph holds them all). On the CPU backend the streamed
-/// projection is emulated, so the schedule (slices, partials regions, events, the fork and joins
-/// of the second stream) runs there too.
+/// over chunks (several, a last short one, two of about half T each, which can need the
+/// workspace's slack, one chunk of all T, a chunk past T) give the bits of the unchunked two
+/// passes and the reference, eager and as a graph replayed with fresh inputs, and report every
+/// launch they make (the graph holds them all). On the CPU backend the streamed projection is
+/// emulated, so the schedule (slices, partials regions, events, the fork and joins of the second
+/// stream) runs there too.
 fn the_chunked_schedule_gives_the_same_bits_eager_and_replayed(dev: &Device) {
     let fx = Fx::new(dev);
     let (hidden, t) = if is_cpu(dev) { (512, 40) } else { (4096, 100) };
