@@ -14,8 +14,9 @@
 # 3. where TESTS names a folder of test binaries built with the `cuda` feature (the layout of
 #    `gpu-bundle`: `attention--test-sparse_attention`, ...), the attention and mHC GPU suites
 #    (`test-NAME.log`);
-# 4. the report's ceilings, attention and mHC sections with the time left (`report.txt`,
-#    `report.json`).
+# 4. the report's ceilings, attention and mHC sections (`report.txt`, `report.json`);
+# 5. with the time left, the mHC rows at T >= 1024 again with the two passes over chunks of
+#    MHC_CHUNK (default 512) tokens (`report-chunks.txt`, `report-chunks.json`).
 #
 # REPORT_BIN and MHC_CASE_BIN name prebuilt `gpu-report` and `mhc_case` binaries (a host without a
 # Rust toolchain); else they are built here with the `cuda` feature. BUDGET_S (default 540) bounds
@@ -75,6 +76,16 @@ if [[ $(left) -gt 60 ]]; then
     timeout "$(left)" "$report" --device "$HOLDFAST_DEVICE" --only ceilings,attention,mhc --quiet \
         --json "$out/report.json" >"$out/report.txt" 2>&1
     echo "report: exit $? at $(elapsed) s"
+else
+    echo "skipped: $(left) s left"
+fi
+
+echo "== report: mHC rows at T >= 1024 over chunks of ${MHC_CHUNK:-512} tokens"
+if [[ $(left) -gt 30 ]]; then
+    timeout "$(left)" "$report" --device "$HOLDFAST_DEVICE" --only ceilings,mhc --cases "T=1024,T=4096,T=16384" \
+        --mhc-chunk-tokens "${MHC_CHUNK:-512}" --quiet --json "$out/report-chunks.json" >"$out/report-chunks.txt" 2>&1
+    echo "report: exit $? at $(elapsed) s"
+    grep -E "mhc_pre|fused" "$out/report-chunks.txt"
 else
     echo "skipped: $(left) s left"
 fi
