@@ -1,8 +1,6 @@
 //! [`MhcOps`]: the launchers, their configuration and their workspace.
 
-use holdfast_hal::{
-    bf16, Arg, BackendKind, Buffer, Device, Event, Kernel, LaunchConfig, RawView, Stream, StreamPriority, View,
-};
+use holdfast_hal::{bf16, BackendKind, Buffer, Device, Event, LaunchConfig, RawView, Stream, StreamPriority, View};
 
 use crate::error::{MhcError, Result};
 use crate::kernels::MhcKernels;
@@ -339,9 +337,12 @@ impl MhcOps {
     /// projection and finish, chunk by chunk). A function of `tokens` for a given `MhcOps`.
     pub fn launch_configs(&self, op: MhcOp, tokens: usize) -> Vec<LaunchConfig> {
         if let Some(kind) = Reduce::of(op) {
-            if let Some((per, plans)) = self.chunk_plans(kind, tokens) {
-                debug_assert!(per < tokens);
-                return plans.iter().flat_map(|p| std::iter::once(p.config).chain(p.finish)).collect();
+            if let Some((per, shape)) = self.chunking(kind, tokens) {
+                let (h, units) = (self.config.hidden, self.units);
+                return (0..tokens.div_ceil(per))
+                    .map(|k| plan::reduce(kind, per.min(tokens - k * per), h, units, shape))
+                    .flat_map(|p| std::iter::once(p.config).chain(p.finish))
+                    .collect();
             }
         }
         let first = self.launch_config(op, tokens);
@@ -372,19 +373,15 @@ impl MhcOps {
         plan::reduce(kind, tokens, self.config.hidden, self.units, self.shape)
     }
 
-    /// The chunked schedule's tokens per chunk and each chunk's plan (two passes each), where
-    /// [`Self::with_chunk_tokens`] chose it and `kind`'s plan for `tokens` takes two passes over
-    /// more than one chunk.
-    fn chunk_plans(&self, kind: Reduce, tokens: usize) -> Option<(usize, Vec<plan::ReducePlan>)> {
+    /// The chunked schedule's tokens per chunk and the plan shape of its chunks (two passes
+    /// each), where [`Self::with_chunk_tokens`] chose it and `kind`'s plan for `tokens` takes two
+    /// passes over more than one chunk.
+    fn chunking(&self, kind: Reduce, tokens: usize) -> Option<(usize, plan::ReduceShape)> {
         let per = self.chunks.as_ref()?.tokens;
         if tokens <= per || kind == Reduce::Head || self.reduce_plan(kind, tokens).finish.is_none() {
             return None;
         }
-        let shape = plan::ReduceShape { passes: crate::MhcPasses::Two, ..self.shape };
-        let plans = (0..tokens.div_ceil(per))
-            .map(|k| plan::reduce(kind, per.min(tokens - k * per), self.config.hidden, self.units, shape))
-            .collect();
-        Some((per, plans))
+        Some((per, plan::ReduceShape { passes: crate::MhcPasses::Two, ..self.shape }))
     }
 
     /// Enqueues the split-reduction op `kind` (`mhc_pre` or the fused op) over `t > 0` tokens,
@@ -398,7 +395,7 @@ impl MhcOps {
         launch: &dyn Fn(&PassLaunch<'_>) -> Result<()>,
     ) -> Result<()> {
         let all = self.partials.view();
-        let (Some(c), Some((per, plans))) = (&self.chunks, self.chunk_plans(kind, t)) else {
+        let (Some(c), Some((per, shape))) = (&self.chunks, self.chunking(kind, t)) else {
             let plan = &self.reduce_plan(kind, t);
             let one = PassLaunch { stream, t0: 0, n: t, plan, pass: Pass::Project, partials: &all };
             launch(&one)?;
@@ -411,15 +408,12 @@ impl MhcOps {
         // more than `workspace_floats(t)` (each rounds up to a multiple of 4), and `t` is at most
         // `max_tokens`: the allocation's slack.
         let s = splits(self.config.hidden);
-        let first = plan::workspace_floats(per, s);
-        let region = |k: usize| -> Result<View<f32>> {
-            let n = per.min(t - k * per);
-            all.slice(if k.is_multiple_of(2) { 0 } else { first }, plan::workspace_floats(n, s)).map_err(MhcError::from)
-        };
+        let second = plan::workspace_floats(per, s);
         let capturing = stream.is_capturing();
-        for (k, plan) in plans.iter().enumerate() {
+        for k in 0..t.div_ceil(per) {
             let (t0, n) = (k * per, per.min(t - k * per));
-            let partials = &region(k)?;
+            let plan = &plan::reduce(kind, n, self.config.hidden, self.units, shape);
+            let partials = &all.slice(if k.is_multiple_of(2) { 0 } else { second }, plan::workspace_floats(n, s))?;
             launch(&PassLaunch { stream, t0, n, plan, pass: Pass::Project, partials })?;
             // The finish of chunk k after its projection (and after chunk k - 1's finish, on
             // the same stream); chunk k + 1's projection, next on `stream`, after chunk k - 1's
@@ -453,53 +447,39 @@ impl MhcOps {
         Ok(t)
     }
 
-    /// Enqueues one [`PassLaunch`] of `mhc_pre` or the fused op over its tokens: the projection
-    /// `kernel` (the one launch, or the streamed projection) with `lead`, its arguments before the
-    /// workspace, then the shared tail (workspace, sizes, `params`, the plan's tile, finish and
-    /// flags); or the second of the two passes ([`MhcPasses::Two`]), `mhc_pre_finish_n4` on `rows`
-    /// (the residual the finish reads: `mhc_pre`'s input, the fused op's `residual_out`) and the
-    /// projection's partials, where the plan has one. `out`: these tokens' outputs.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn launch_pre_pass(
+    /// The second of the two passes ([`MhcPasses::Two`]) of `l`, where its plan has one:
+    /// `mhc_pre_finish_n4` on `rows` (the residual the finish reads: `mhc_pre`'s input, the fused
+    /// op's `residual_out`) and the projection's partials, into `out` (these tokens' outputs).
+    pub(crate) fn launch_finish(
         &self,
         l: &PassLaunch<'_>,
-        kernel: &Kernel,
-        lead: &[Arg],
         rows: &View<bf16>,
         weights: &MhcPreWeights<'_>,
         params: &MhcPreParams,
         out: &MhcPreOutputs<'_>,
     ) -> Result<()> {
-        let p = l.plan;
-        let pre = [
-            params.rms_eps.into(),
-            params.pre_eps.into(),
-            params.sinkhorn_eps.into(),
-            params.post_mult.into(),
-            params.sinkhorn_iters.into(),
-        ];
-        let sizes = [(l.n as u32).into(), (self.config.hidden as u32).into()];
-        match (l.pass, p.finish) {
-            // `mhc_pre_finish_n4` on `rows` and the projection's partials.
-            (Pass::Finish, Some(config)) => {
-                let head = [
-                    rows.into(),
-                    weights.scale.into(),
-                    weights.base.into(),
-                    out.post.into(),
-                    out.comb.into(),
-                    out.layer_input.into(),
-                    l.partials.into(),
-                ];
-                Ok(l.stream.launch_dependent(&self.kernels.pre_finish, config, &[&head[..], &sizes, &pre].concat())?)
-            }
-            (Pass::Finish, None) => Ok(()),
-            (Pass::Project, _) => {
-                let workspace = [l.partials.into(), (&self.sync).into()];
-                let tiles = [(p.tile_tokens as u32).into(), (p.finish_tokens as u32).into(), p.flags().into()];
-                Ok(l.stream.launch_dependent(kernel, p.config, &[lead, &workspace, &sizes, &pre, &tiles].concat())?)
-            }
-        }
+        let Some(config) = l.plan.finish else { return Ok(()) };
+        l.stream.launch_dependent(
+            &self.kernels.pre_finish,
+            config,
+            &[
+                rows.into(),
+                weights.scale.into(),
+                weights.base.into(),
+                out.post.into(),
+                out.comb.into(),
+                out.layer_input.into(),
+                l.partials.into(),
+                (l.n as u32).into(),
+                (self.config.hidden as u32).into(),
+                params.rms_eps.into(),
+                params.pre_eps.into(),
+                params.sinkhorn_eps.into(),
+                params.post_mult.into(),
+                params.sinkhorn_iters.into(),
+            ],
+        )?;
+        Ok(())
     }
 
     pub(crate) fn check_pre_weights(&self, op: &'static str, w: &MhcPreWeights<'_>) -> Result<()> {
