@@ -244,13 +244,17 @@ impl MhcOps {
     /// Runs the two passes of `mhc_pre` and the fused op over chunks of `chunk_tokens` tokens
     /// where they take two passes ([`MhcPasses`]) and `T` exceeds one chunk: chunk `k`'s
     /// projection on the caller's stream, its finish on a second stream (created here on
-    /// `device`, at [`StreamPriority::High`]), so that chunk `k`'s finish runs beside chunk `k + 1`'s projection and reads
-    /// chunk `k`'s residual rows while they are still in L2. Two chunks' partials alternate in the
-    /// workspace; chunk `k + 2`'s projection waits for chunk `k`'s finish, and the op returns with
-    /// the caller's stream ordered after the last finish (events outside a capture, a fork and a
-    /// join of the second stream inside one). `None` (the default) launches the passes over all
-    /// of `T`. A tuning knob: every choice gives the same bits (a token's arithmetic depends on
-    /// `H` alone). Fails for 0 tokens per chunk or a device other than the kernels'.
+    /// `device`, at [`StreamPriority::High`]), so that chunk `k`'s finish can run beside chunk
+    /// `k + 1`'s projection and read chunk `k`'s residual rows while they are still in L2. Two
+    /// chunks' partials alternate in the workspace; chunk `k + 2`'s projection waits for chunk
+    /// `k`'s finish, and the op returns with the caller's stream ordered after the last finish
+    /// (events outside a capture, a fork and a join of the second stream inside one). `None` (the
+    /// default) launches the passes over all of `T`. A tuning knob: every choice gives the same
+    /// bits (a token's arithmetic depends on `H` alone). Measured on an H100 it is slower than
+    /// `None` at every chunk size (`mhc_pre`, H 4096, T 16384: 1.07× the time at 4096 tokens a
+    /// chunk, 2.7× at 256; each chunk pays the projection's ramp and drain), so leave it off
+    /// unless a device measures otherwise (`benches/mhc-chunks.sh`). Fails for 0 tokens per chunk
+    /// or a device other than the kernels'.
     pub fn with_chunk_tokens(mut self, device: &Device, chunk_tokens: Option<usize>) -> Result<Self> {
         self.chunks = match chunk_tokens {
             None => None,
