@@ -161,7 +161,8 @@ struct Cli {
     #[arg(long)]
     quiet: bool,
     /// Run the mHC section's two passes over chunks of this many tokens (each chunk's finish on a
-    /// second stream beside the next chunk's projection); at least 1.
+    /// second stream beside the next chunk's projection); at least 1. Slower than the default at
+    /// every chunk size measured so far (an H100; `benches/RESULTS.md`, seventeenth run).
     #[arg(long)]
     mhc_chunk_tokens: Option<usize>,
 }
