@@ -9,10 +9,12 @@
 #
 # 1. the attention row at 128 heads + 512 entries, batch 64 (and 256), twice: the first run
 #    compiles the kernels (`attention.txt`);
-# 2. where TESTS names a folder of test binaries built with the `cuda` feature (the layout of
-#    `gpu-bundle`: `attention--test-sparse_attention`, ...), the attention and mHC GPU suites
-#    (`test-NAME.log`);
-# 3. the report's ceilings, attention and mHC sections (`report.txt`, `report.json`).
+# 2. where `nvcc` is found, the projection-load probe `benches/probes/mhc_loads.cu` (the load
+#    ceiling of the mHC projection pass's access scheme, `probe.txt`);
+# 3. where TESTS names a folder of test binaries built with the `cuda` feature (the layout of
+#    `gpu-bundle`: `attention--test-sparse_attention`, ...), every attention and mHC test binary
+#    in it, the attention ones first (`test-NAME.log`);
+# 4. the report's ceilings, attention and mHC sections (`report.txt`, `report.json`).
 #
 # (The mHC chunk sweep, `benches/mhc-chunks.sh`, is no longer part of it: the chunked schedule
 # was slower at every chunk size on an H100, `benches/RESULTS.md`, seventeenth run.)
@@ -44,9 +46,26 @@ for limit in 90 30; do
 done
 grep -E "h128_d512|copy" "$out/attention.txt"
 
+echo "== projection-load probe"
+nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
+if [[ -x "$nvcc" ]]; then
+    probe="$out/mhc_loads"
+    if "$nvcc" -O3 -std=c++17 -arch=sm_90 -o "$probe" "$root/benches/probes/mhc_loads.cu" \
+        -L"$(dirname "$nvcc")/../lib64/stubs" -lcuda >"$out/probe-build.log" 2>&1; then
+        timeout 90 "$probe" >"$out/probe.txt" 2>&1
+        echo "probe: exit $? at $(elapsed) s"
+        cat "$out/probe.txt"
+        rm -f "$probe"
+    else
+        echo "probe: build failed (probe-build.log)"
+    fi
+else
+    echo "probe skipped: no nvcc"
+fi
+
 if [[ -n "${TESTS:-}" ]]; then
     echo "== GPU suites"
-    for t in attention--test-sparse_attention attention--test-graph mhc--test-suite; do
+    for t in $(cd "$TESTS" && ls -d attention--* mhc--* 2>/dev/null); do
         if [[ $(left) -lt 90 ]]; then
             echo "$t skipped: $(left) s left"
             continue
