@@ -16,9 +16,6 @@
 #    in it, the attention ones first (`test-NAME.log`);
 # 4. the report's ceilings, attention and mHC sections (`report.txt`, `report.json`).
 #
-# (The mHC chunk sweep, `benches/mhc-chunks.sh`, is no longer part of it: the chunked schedule
-# was slower at every chunk size on an H100, `benches/RESULTS.md`, seventeenth run.)
-#
 # REPORT_BIN names a prebuilt `gpu-report` binary (a host without a Rust toolchain); else it is
 # built here with the `cuda` feature. BUDGET_S (default 540) bounds the whole run in seconds;
 # parts that would start past it are skipped with a line saying so.

@@ -31,8 +31,6 @@ pub struct Ctx {
     pub notes: Vec<String>,
     /// `--cases`: the rows to run, by a piece of their case name (all when empty).
     pub cases: Vec<String>,
-    /// `--mhc-chunk-tokens`: the mHC section's two passes over chunks of this many tokens.
-    pub mhc_chunk_tokens: Option<usize>,
 }
 
 impl std::fmt::Debug for Ctx {

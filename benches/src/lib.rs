@@ -126,9 +126,6 @@ pub struct Options {
     pub torch: Option<String>,
     /// Print progress lines on stderr.
     pub verbose: bool,
-    /// The mHC section's two passes over chunks of this many tokens, at least 1
-    /// (`holdfast_mhc::MhcOps::with_chunk_tokens`); `None`: over all of T (the default path).
-    pub mhc_chunk_tokens: Option<usize>,
 }
 
 /// `gpu-report`'s command line.
@@ -160,11 +157,6 @@ struct Cli {
     /// No progress lines on stderr.
     #[arg(long)]
     quiet: bool,
-    /// Run the mHC section's two passes over chunks of this many tokens (each chunk's finish on a
-    /// second stream beside the next chunk's projection); at least 1. Slower than the default at
-    /// every chunk size measured so far (an H100; `benches/RESULTS.md`, seventeenth run).
-    #[arg(long)]
-    mhc_chunk_tokens: Option<usize>,
 }
 
 fn write(path: &PathBuf, text: &str) -> Result<()> {
@@ -210,19 +202,7 @@ pub fn main_with_args<I: IntoIterator<Item = String>>(args: I) -> i32 {
     }
     let device = cli.device.or_else(|| std::env::var("HOLDFAST_DEVICE").ok()).unwrap_or_else(|| "cpu".into());
     let cases = cli.cases.into_iter().filter(|c| !c.trim().is_empty()).collect();
-    if cli.mhc_chunk_tokens == Some(0) {
-        eprintln!("error: --mhc-chunk-tokens 0: a chunk holds at least 1 token");
-        return 2;
-    }
-    let opts = Options {
-        device,
-        quick: cli.quick,
-        only,
-        cases,
-        torch: cli.torch,
-        verbose: !cli.quiet,
-        mhc_chunk_tokens: cli.mhc_chunk_tokens,
-    };
+    let opts = Options { device, quick: cli.quick, only, cases, torch: cli.torch, verbose: !cli.quiet };
     let report = match run(&opts) {
         Ok(r) => r,
         Err(e @ ReportError::Usage(_)) => {
@@ -323,16 +303,8 @@ pub fn run(opts: &Options) -> Result<Report> {
     }
     let s = dev.create_stream()?;
     let clock = timing::Clock::new(&dev, effort)?;
-    let mut ctx = Ctx {
-        dev,
-        s,
-        clock,
-        scale,
-        ceilings: Ceilings::default(),
-        notes: Vec::new(),
-        cases: opts.cases.clone(),
-        mhc_chunk_tokens: opts.mhc_chunk_tokens,
-    };
+    let mut ctx =
+        Ctx { dev, s, clock, scale, ceilings: Ceilings::default(), notes: Vec::new(), cases: opts.cases.clone() };
     if !opts.cases.is_empty() {
         ctx.note(format!("rows limited to the cases containing one of: {}", opts.cases.join(" | ")));
     }

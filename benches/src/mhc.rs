@@ -73,12 +73,6 @@ fn launches(ops: &MhcOps, op: MhcOp, t: usize) -> String {
 
 /// Runs the section.
 pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
-    if let Some(c) = ctx.mhc_chunk_tokens {
-        ctx.note(format!(
-            "mhc: mhc_pre and the fused op run their two passes over chunks of {c} tokens where they take two \
-             (--mhc-chunk-tokens)"
-        ));
-    }
     let mut rows = Vec::new();
     for (h, ts) in shapes(ctx.scale) {
         // A hidden size none of whose cases is wanted allocates nothing.
@@ -92,8 +86,7 @@ pub fn run(ctx: &mut Ctx) -> Result<Vec<Row>> {
 fn run_hidden(ctx: &mut Ctx, h: usize, ts: &[usize]) -> Result<Vec<Row>> {
     let max_t = ts.iter().copied().max().unwrap_or(1);
     let kernels = MhcKernels::new(&ctx.dev)?;
-    let ops = MhcOps::new(&ctx.dev, &kernels, MhcConfig { hc_mult: N, hidden: h, max_tokens: max_t })?
-        .with_chunk_tokens(&ctx.dev, ctx.mhc_chunk_tokens)?;
+    let ops = MhcOps::new(&ctx.dev, &kernels, MhcConfig { hc_mult: N, hidden: h, max_tokens: max_t })?;
     let d = N * h;
     let residual = ctx.filled::<bf16>("residual", max_t * d, 0x3c)?;
     let x = ctx.filled::<bf16>("x", max_t * h, 0x3d)?;

@@ -11,7 +11,6 @@ fn quick_cpu_report_has_finite_positive_times() {
         cases: Vec::new(),
         torch: None,
         verbose: false,
-        mhc_chunk_tokens: None,
     };
     let report = match run(&opts) {
         Ok(r) => r,
@@ -48,7 +47,6 @@ fn cases_limit_the_rows_and_an_unmatched_case_is_noted() {
         cases: cases.iter().map(|c| c.to_string()).collect(),
         torch: None,
         verbose: false,
-        mhc_chunk_tokens: None,
     };
     let report = run(&opts(&["T=8", "B=4"])).unwrap_or_else(|e| panic!("report: {e}"));
     assert!(report.failed.is_empty(), "{:?}", report.notes);
@@ -95,25 +93,4 @@ fn an_unreadable_torch_file_or_unwritable_json_path_exits_with_code_2_before_the
     assert_eq!(holdfast_benches::main_with_args(args(["--torch", torch.to_str().unwrap_or("?")])), 2);
     assert_eq!(holdfast_benches::main_with_args(args(["--json", json.to_str().unwrap_or("?")])), 2);
     assert!(t0.elapsed().as_secs() < 5, "refused before the run");
-}
-
-/// `--mhc-chunk-tokens` reaches the mHC section (its rows run, and a note says how), and 0 tokens
-/// per chunk is a usage error.
-#[test]
-fn mhc_chunk_tokens_are_noted_and_zero_exits_with_code_2() {
-    let opts = Options {
-        device: "cpu".into(),
-        quick: true,
-        only: vec![Section::Mhc],
-        cases: vec!["T=8".into()],
-        torch: None,
-        verbose: false,
-        mhc_chunk_tokens: Some(4),
-    };
-    let report = run(&opts).unwrap_or_else(|e| panic!("report: {e}"));
-    assert!(report.failed.is_empty(), "{:?}", report.notes);
-    assert!(report.rows.iter().any(|r| r.section == "mhc"), "{:?}", report.rows);
-    assert!(report.notes.iter().any(|n| n.contains("chunks of 4 tokens")), "{:?}", report.notes);
-    let args = ["gpu-report", "--quick", "--only", "mhc", "--mhc-chunk-tokens", "0"];
-    assert_eq!(holdfast_benches::main_with_args(args.map(String::from)), 2);
 }

@@ -13,16 +13,6 @@
 //! bits).
 //!
 //! `MHC_GRAPH=1` times replays of one captured graph of the call instead of eager calls.
-//! `MHC_CHUNKS=C` (implies a graph) cuts the T tokens into chunks of `C`, chunk `k` on stream
-//! `k mod 2` with an op of its own (its own workspace), the second stream forked into the capture
-//! and joined back: chunk `k + 1` runs beside chunk `k`, so a two-pass op's second pass can read
-//! its chunk of the residual while it is still in L2. Rows do not depend on T, so the hash equals
-//! the unchunked one. `MHC_LANES=1` keeps every chunk on the one stream (each chunk's passes
-//! back to back, no overlap between chunks).
-//!
-//! `MHC_PIPE=C` runs the op itself on its chunked schedule ([`MhcOps::with_chunk_tokens`]: chunks
-//! of `C`, each chunk's finish on a second stream beside the next chunk's projection), eager or
-//! with `MHC_GRAPH=1`; not with `MHC_CHUNKS`.
 
 use holdfast_hal::{bf16, Buffer, Device, Element, Stream};
 use holdfast_mhc::{
@@ -58,26 +48,6 @@ fn passes() -> Res<MhcPasses> {
     }
 }
 
-/// `MHC_LANES` (streams the chunks go round, 1 or 2; default 2).
-fn lanes() -> Res<usize> {
-    match std::env::var("MHC_LANES").as_deref() {
-        Err(_) | Ok("2") => Ok(2),
-        Ok("1") => Ok(1),
-        Ok(other) => Err(format!("MHC_LANES `{other}` (1 or 2)").into()),
-    }
-}
-
-/// A positive count from the environment variable `name` (tokens per chunk), if set.
-fn tokens_per_chunk(name: &str) -> Res<Option<usize>> {
-    match std::env::var(name) {
-        Err(_) => Ok(None),
-        Ok(v) => match v.parse::<usize>() {
-            Ok(c) if c > 0 => Ok(Some(c)),
-            _ => Err(format!("{name} `{v}` (tokens per chunk, at least 1)").into()),
-        },
-    }
-}
-
 fn run() -> Res<()> {
     let a: Vec<String> = std::env::args().skip(1).collect();
     if a.len() != 4 {
@@ -88,26 +58,12 @@ fn run() -> Res<()> {
     let (h, t, iters) = (num(1, "H")?, num(2, "T")?, num(3, "ITERS")?);
     let (d, m) = (N * h, N * (N + 2));
     let dev = Device::open(&std::env::var("HOLDFAST_DEVICE").unwrap_or_else(|_| "cpu".into()))?;
-    // MHC_CHUNKS: chunks as ops of their own; MHC_PIPE: the op's own chunked schedule.
-    let (chunk, pipe) = (tokens_per_chunk("MHC_CHUNKS")?, tokens_per_chunk("MHC_PIPE")?);
-    if chunk.is_some() && pipe.is_some() {
-        return Err("MHC_CHUNKS and MHC_PIPE are two schedules: set one".into());
-    }
-    let graph = chunk.is_some() || std::env::var("MHC_GRAPH").is_ok_and(|v| v == "1");
-    let (s, s2) = (dev.create_stream()?, dev.create_stream()?);
+    let graph = std::env::var("MHC_GRAPH").is_ok_and(|v| v == "1");
+    let s = dev.create_stream()?;
     let kernels = MhcKernels::new(&dev)?;
-    let new_ops = |max_tokens: usize| -> Res<MhcOps> {
-        Ok(MhcOps::new(&dev, &kernels, MhcConfig { hc_mult: N, hidden: h, max_tokens: max_tokens.max(1) })?
-            .with_projection(MhcProjection::Auto)
-            .with_passes(passes()?)
-            .with_chunk_tokens(&dev, pipe)?)
-    };
-    let per = chunk.unwrap_or(t.max(1)).min(t.max(1));
-    let lanes = match (chunk, lanes()?) {
-        (Some(_), l) => l,
-        (None, _) => 1,
-    };
-    let ops = (0..lanes).map(|_| new_ops(per)).collect::<Res<Vec<_>>>()?;
+    let ops = MhcOps::new(&dev, &kernels, MhcConfig { hc_mult: N, hidden: h, max_tokens: t.max(1) })?
+        .with_projection(MhcProjection::Auto)
+        .with_passes(passes()?);
     let pat = |i: usize, scale: f32| (((i.wrapping_mul(2_654_435_761) >> 20) & 255) as f32 / 128.0 - 1.0) * scale;
     let residual = from_fn(&dev, "residual", t * d, |i| bf16::from_f32(pat(i, 1.0)))?;
     let x = from_fn(&dev, "x", t * h, |i| bf16::from_f32(pat(i + 3, 1.0)))?;
@@ -126,12 +82,11 @@ fn run() -> Res<()> {
     let (hf, pf, s1, s3, bn, bm) =
         (head_fn.view(), pre_fn.view(), scale1.view(), scale3.view(), base_n.view(), base_m.view());
     let pw = MhcPreWeights { hc_fn: &pf, scale: &s3, base: &bm };
-    // The op over tokens [t0, t0 + n) on stream `st` with `ops`.
-    let part = |ops: &MhcOps, st: &Stream, t0: usize, n: usize| -> Res<()> {
-        let (r, row, ores) =
-            (residual.slice(t0 * d, n * d)?, out_row.slice(t0 * h, n * h)?, out_residual.slice(t0 * d, n * d)?);
-        let (po, co) = (post_out.slice(t0 * N, n * N)?, comb_out.slice(t0 * N * N, n * N * N)?);
-        let (xv, pv, cv) = (x.slice(t0 * h, n * h)?, post.slice(t0 * N, n * N)?, comb.slice(t0 * N * N, n * N * N)?);
+    // The op over all T tokens on stream `st`.
+    let call = |st: &Stream| -> Res<()> {
+        let (r, row, ores) = (residual.prefix(t * d)?, out_row.prefix(t * h)?, out_residual.prefix(t * d)?);
+        let (po, co) = (post_out.prefix(t * N)?, comb_out.prefix(t * N * N)?);
+        let (xv, pv, cv) = (x.prefix(t * h)?, post.prefix(t * N)?, comb.prefix(t * N * N)?);
         let outs = MhcPreOutputs { post: &po, comb: &co, layer_input: &row };
         match op {
             MhcOp::HcHead => ops.hc_head(
@@ -147,24 +102,6 @@ fn run() -> Res<()> {
                 let input = MhcPostInputs { x: &xv, residual: &r, post: &pv, comb: &cv };
                 ops.fused_post_pre(st, &input, &pw, &MhcPreParams::default(), &ores, &outs)?
             }
-        }
-        Ok(())
-    };
-    // The whole call: one op over all T, or the chunks round the lanes (inside a capture).
-    let chunks = t.div_ceil(per);
-    let call = |st: &Stream| -> Res<()> {
-        if chunk.is_none() {
-            return part(&ops[0], st, 0, t);
-        }
-        if lanes == 2 {
-            st.fork_capture(&s2)?;
-        }
-        for k in 0..chunks {
-            let (t0, lane) = (k * per, k % lanes);
-            part(&ops[lane], if lane == 0 { st } else { &s2 }, t0, per.min(t - t0))?;
-        }
-        if lanes == 2 {
-            st.join_capture(&s2)?;
         }
         Ok(())
     };
@@ -214,12 +151,8 @@ fn run() -> Res<()> {
          {hash:016x}",
         op.name(),
         dev.info().name,
-        (0..chunks.max(1)).map(|k| ops[0].launch_configs(op, per.min(t - k * per)).len()).sum::<usize>(),
-        match (chunk, graph) {
-            (Some(_), _) => format!(" in {chunks} chunks of {per} on {lanes} stream(s), graph replay"),
-            (None, true) => " (graph replay)".to_string(),
-            (None, false) => String::new(),
-        },
+        ops.launch_configs(op, t).len(),
+        if graph { " (graph replay)" } else { "" },
         bytes as f64 / per_call / 1e3,
     );
     Ok(())

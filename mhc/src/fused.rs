@@ -4,7 +4,7 @@
 use holdfast_hal::{bf16, Stream, View};
 
 use crate::error::Result;
-use crate::ops::{disjoint, len, MhcOps, MhcPreOutputs, MhcPreWeights, Pass};
+use crate::ops::{disjoint, len, MhcOps, MhcPreOutputs, MhcPreWeights};
 use crate::params::MhcPreParams;
 use crate::plan::Reduce;
 use crate::HC_MULT;
@@ -66,46 +66,36 @@ impl MhcOps {
         if t == 0 {
             return Ok(());
         }
-        let d = n * h;
-        self.schedule(stream, Reduce::Fused, t, &|l| {
-            let (t0, k) = (l.t0, l.n);
-            let residual_out = residual_out.slice(t0 * d, k * d)?;
-            let (post, comb, layer_input) = out.rows(t0, k, h)?;
-            let out = MhcPreOutputs { post: &post, comb: &comb, layer_input: &layer_input };
-            if l.pass == Pass::Finish {
-                return self.launch_finish(l, &residual_out, weights, params, &out);
-            }
-            let p = l.plan;
-            l.stream.launch_dependent(
-                &self.kernels.fused_post_pre,
-                p.config,
-                &[
-                    (&input.x.slice(t0 * h, k * h)?).into(),
-                    (&input.residual.slice(t0 * d, k * d)?).into(),
-                    (&input.post.slice(t0 * n, k * n)?).into(),
-                    (&input.comb.slice(t0 * n * n, k * n * n)?).into(),
-                    weights.hc_fn.into(),
-                    weights.scale.into(),
-                    weights.base.into(),
-                    (&residual_out).into(),
-                    out.post.into(),
-                    out.comb.into(),
-                    out.layer_input.into(),
-                    l.partials.into(),
-                    (&self.sync).into(),
-                    (k as u32).into(),
-                    (h as u32).into(),
-                    params.rms_eps.into(),
-                    params.pre_eps.into(),
-                    params.sinkhorn_eps.into(),
-                    params.post_mult.into(),
-                    params.sinkhorn_iters.into(),
-                    (p.tile_tokens as u32).into(),
-                    (p.finish_tokens as u32).into(),
-                    p.flags().into(),
-                ],
-            )?;
-            Ok(())
-        })
+        let p = self.reduce_plan(Reduce::Fused, t);
+        stream.launch_dependent(
+            &self.kernels.fused_post_pre,
+            p.config,
+            &[
+                input.x.into(),
+                input.residual.into(),
+                input.post.into(),
+                input.comb.into(),
+                weights.hc_fn.into(),
+                weights.scale.into(),
+                weights.base.into(),
+                residual_out.into(),
+                out.post.into(),
+                out.comb.into(),
+                out.layer_input.into(),
+                (&self.partials).into(),
+                (&self.sync).into(),
+                (t as u32).into(),
+                (h as u32).into(),
+                params.rms_eps.into(),
+                params.pre_eps.into(),
+                params.sinkhorn_eps.into(),
+                params.post_mult.into(),
+                params.sinkhorn_iters.into(),
+                (p.tile_tokens as u32).into(),
+                (p.finish_tokens as u32).into(),
+                p.flags().into(),
+            ],
+        )?;
+        self.launch_finish(stream, &p, t, residual_out, weights, params, out)
     }
 }

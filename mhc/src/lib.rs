@@ -79,12 +79,10 @@
 //!   chunks each, about two per multiprocessor) sum the partials in split order, form the gates
 //!   (and post and comb, Sinkhorn) and write `layer_input` from the residual (the fused op's
 //!   `residual_out`), read a second time. The same arithmetic per token as the resident items:
-//!   the same bits. [`MhcOps::with_chunk_tokens`] (off by default) runs the two passes over
-//!   chunks of `T`, each chunk's finish on a second stream beside the next chunk's projection,
-//!   so that the finish may read its chunk's rows while they are in L2; two chunks' partials
-//!   alternate in the workspace (the same bits; on an H100 1.07–2.7× the unchunked time, so
-//!   off unless a device measures otherwise). The CPU backend emulates the streamed projection (the
-//!   reference's per-split partials), so [`MhcPasses::Two`] and the chunks run there too.
+//!   the same bits. (Running the two passes over chunks of `T`, each chunk's finish beside the
+//!   next chunk's projection so that it reads its rows from L2, measured 1.07–2.7× the time on
+//!   an H100: `benches/RESULTS.md`, seventeenth run.) The CPU backend emulates the streamed
+//!   projection (the reference's per-split partials), so [`MhcPasses::Two`] runs there too.
 //! - The same ops elsewhere (portable path): a *projection item* (tile of up to 128 tokens × one
 //!   split) accumulates Σx² and the `n` (or `n(n+2)`) dot products per token and writes per-split
 //!   partials: `hc_head` gives each token 32 lanes × 2 quads per split (a register tile of 2

@@ -1,6 +1,6 @@
 //! [`MhcOps`]: the launchers, their configuration and their workspace.
 
-use holdfast_hal::{bf16, BackendKind, Buffer, Device, Event, LaunchConfig, RawView, Stream, StreamPriority, View};
+use holdfast_hal::{bf16, BackendKind, Buffer, Device, LaunchConfig, RawView, Stream, View};
 
 use crate::error::{MhcError, Result};
 use crate::kernels::MhcKernels;
@@ -52,7 +52,7 @@ pub enum MhcProjection {
 /// How many launches `mhc_pre` and the fused op make on tensor cores (the portable path and
 /// `hc_head` always make one; the CPU backend, which emulates the streamed projection, makes two
 /// under [`MhcPasses::Two`] unless the portable path is chosen). Every choice gives the same
-/// bits; [`MhcOps::with_chunk_tokens`] can run the two passes over chunks of `T`.
+/// bits.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum MhcPasses {
     /// Two where every multiprocessor has enough work for them to pay (`T · ceil(H / 256)` at
@@ -104,26 +104,12 @@ pub struct MhcPreOutputs<'a> {
     pub layer_input: &'a View<bf16>,
 }
 
-impl MhcPreOutputs<'_> {
-    /// The rows of tokens `[t0, t0 + n)` of each output: `(post, comb, layer_input)`.
-    pub(crate) fn rows(&self, t0: usize, n: usize, hidden: usize) -> Result<(View<f32>, View<f32>, View<bf16>)> {
-        let nn = HC_MULT * HC_MULT;
-        Ok((
-            self.post.slice(t0 * HC_MULT, n * HC_MULT)?,
-            self.comb.slice(t0 * nn, n * nn)?,
-            self.layer_input.slice(t0 * hidden, n * hidden)?,
-        ))
-    }
-}
-
 /// The mHC ops on one device, for one [`MhcConfig`].
 ///
 /// Every op takes caller-provided views (exact lengths for the call's `T`, derived from the
 /// residual's length), validates them, and enqueues one kernel launch on the stream (none for
-/// `T = 0`; two for `mhc_pre` and the fused op where they take [`MhcPasses::Two`], two per chunk
-/// under [`MhcOps::with_chunk_tokens`], the finishes on the ops' own second stream, which the
-/// caller's stream waits for before the op returns). Launch shapes depend on `T` alone, so the
-/// ops are capturable: capture at a padded `T` with views of persistent buffers and replay with
+/// `T = 0`; two for `mhc_pre` and the fused op where they take [`MhcPasses::Two`], both on the
+/// caller's stream). Launch shapes depend on `T` alone, so the ops are capturable: capture at a padded `T` with views of persistent buffers and replay with
 /// fresh contents.
 ///
 /// The split-reduction ops (`hc_head`, `mhc_pre`, `mhc_fused_post_pre`) share one persistent
@@ -150,39 +136,6 @@ pub struct MhcOps {
     head_clusters: bool,
     pub(crate) partials: Buffer<f32>,
     pub(crate) sync: Buffer<u32>,
-    /// The chunked two-pass schedule ([`MhcOps::with_chunk_tokens`]), if chosen.
-    chunks: Option<Chunks>,
-}
-
-/// The chunked two-pass schedule: tokens per chunk, the second stream the finishes run on, and
-/// the events that order the two streams outside a capture.
-#[derive(Debug)]
-struct Chunks {
-    tokens: usize,
-    aux: Stream,
-    projected: Event,
-    finished: Event,
-}
-
-/// One launch of a split-reduction op's schedule ([`MhcOps::schedule`]), handed to the op's
-/// launcher: enqueue `pass` of `plan` (the plan of `n` tokens) on `stream` over tokens `[t0, t0 +
-/// n)`, with the workspace region `partials`.
-pub(crate) struct PassLaunch<'a> {
-    pub stream: &'a Stream,
-    pub t0: usize,
-    pub n: usize,
-    pub plan: &'a plan::ReducePlan,
-    pub pass: Pass,
-    pub partials: &'a View<f32>,
-}
-
-/// Which launch of a plan a [`PassLaunch`] is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Pass {
-    /// The projection launch of `plan` (the only one where `plan.finish` is `None`).
-    Project,
-    /// `plan.finish`.
-    Finish,
 }
 
 impl MhcOps {
@@ -204,10 +157,8 @@ impl MhcOps {
             )));
         }
         let t = config.max_tokens.max(1);
-        // Four floats over one call's partials: two chunks' regions side by side never need
-        // more (see `Self::schedule`).
         let partials =
-            device.alloc_persistent::<f32>("mhc.partials", plan::workspace_floats(t, splits(config.hidden)) + 4)?;
+            device.alloc_persistent::<f32>("mhc.partials", plan::workspace_floats(t, splits(config.hidden)))?;
         let sync = device.alloc_zeroed::<u32>("mhc.sync", 1 + 2 * t, true)?;
         let units = (device.info().compute_units as usize).max(1);
         let has_mma = device.info().has_bf16_mma();
@@ -237,48 +188,7 @@ impl MhcOps {
             head_clusters: head_cluster_slots > 0,
             partials,
             sync,
-            chunks: None,
         })
-    }
-
-    /// Runs the two passes of `mhc_pre` and the fused op over chunks of `chunk_tokens` tokens
-    /// where they take two passes ([`MhcPasses`]) and `T` exceeds one chunk: chunk `k`'s
-    /// projection on the caller's stream, its finish on a second stream (created here on
-    /// `device`, at [`StreamPriority::High`]), so that chunk `k`'s finish can run beside chunk
-    /// `k + 1`'s projection and read chunk `k`'s residual rows while they are still in L2. Two
-    /// chunks' partials alternate in the workspace; chunk `k + 2`'s projection waits for chunk
-    /// `k`'s finish, and the op returns with the caller's stream ordered after the last finish
-    /// (events outside a capture, a fork and a join of the second stream inside one). `None` (the
-    /// default) launches the passes over all of `T`. A tuning knob: every choice gives the same
-    /// bits (a token's arithmetic depends on `H` alone). Measured on an H100 it is slower than
-    /// `None` at every chunk size (`mhc_pre`, H 4096, T 16384: 1.07× the time at 4096 tokens a
-    /// chunk, 2.7× at 256; each chunk pays the projection's ramp and drain), so leave it off
-    /// unless a device measures otherwise (`benches/mhc-chunks.sh`). Fails for 0 tokens per chunk
-    /// or a device other than the kernels'.
-    pub fn with_chunk_tokens(mut self, device: &Device, chunk_tokens: Option<usize>) -> Result<Self> {
-        self.chunks = match chunk_tokens {
-            None => None,
-            Some(0) => return Err(MhcError::Unsupported("chunk_tokens 0 (need at least 1)".into())),
-            Some(tokens) => {
-                if device.id() != self.kernels.module.device_id() {
-                    return Err(MhcError::Hal(holdfast_hal::HalError::DeviceMismatch(
-                        "MhcOps::with_chunk_tokens: the kernels were compiled for another device".into(),
-                    )));
-                }
-                Some(Chunks {
-                    tokens,
-                    // The finishes at the device's greatest priority: where a finish and the
-                    // next projection both wait for multiprocessors, the finish goes first (its
-                    // rows are in L2 now, and the projection after next needs its partials
-                    // region back). A projection block fills a multiprocessor's registers, so
-                    // the two do not share one.
-                    aux: device.create_stream_with_priority(StreamPriority::High)?,
-                    projected: device.create_event()?,
-                    finished: device.create_event()?,
-                })
-            }
-        };
-        Ok(self)
     }
 
     /// Chooses the split-reduction ops' kernel path ([`MhcProjection`]; `Auto` by default).
@@ -337,18 +247,8 @@ impl MhcOps {
     }
 
     /// Every launch `op` makes for `tokens` tokens, in order (none for 0; two where `mhc_pre` or
-    /// the fused op takes [`MhcPasses::Two`]; under [`Self::with_chunk_tokens`] each chunk's
-    /// projection and finish, chunk by chunk). A function of `tokens` for a given `MhcOps`.
+    /// the fused op takes [`MhcPasses::Two`]). A function of `tokens` for a given `MhcOps`.
     pub fn launch_configs(&self, op: MhcOp, tokens: usize) -> Vec<LaunchConfig> {
-        if let Some(kind) = Reduce::of(op) {
-            if let Some((per, shape)) = self.chunking(kind, tokens) {
-                let (h, units) = (self.config.hidden, self.units);
-                return (0..tokens.div_ceil(per))
-                    .map(|k| plan::reduce(kind, per.min(tokens - k * per), h, units, shape))
-                    .flat_map(|p| std::iter::once(p.config).chain(p.finish))
-                    .collect();
-            }
-        }
         let first = self.launch_config(op, tokens);
         let second = match Reduce::of(op) {
             Some(kind) if tokens > 0 && !self.uses_clusters(op) => self.reduce_plan(kind, tokens).finish,
@@ -377,71 +277,6 @@ impl MhcOps {
         plan::reduce(kind, tokens, self.config.hidden, self.units, self.shape)
     }
 
-    /// The chunked schedule's tokens per chunk and the plan shape of its chunks (two passes
-    /// each), where [`Self::with_chunk_tokens`] chose it and `kind`'s plan for `tokens` takes two
-    /// passes over more than one chunk.
-    fn chunking(&self, kind: Reduce, tokens: usize) -> Option<(usize, plan::ReduceShape)> {
-        let per = self.chunks.as_ref()?.tokens;
-        if tokens <= per || kind == Reduce::Head || self.reduce_plan(kind, tokens).finish.is_none() {
-            return None;
-        }
-        Some((per, plan::ReduceShape { passes: crate::MhcPasses::Two, ..self.shape }))
-    }
-
-    /// Enqueues the split-reduction op `kind` (`mhc_pre` or the fused op) over `t > 0` tokens,
-    /// one [`PassLaunch`] at a time through `launch`: all of `T` at once on `stream` (the one
-    /// launch or the two passes), or the chunked schedule of [`Self::with_chunk_tokens`].
-    pub(crate) fn schedule(
-        &self,
-        stream: &Stream,
-        kind: Reduce,
-        t: usize,
-        launch: &dyn Fn(&PassLaunch<'_>) -> Result<()>,
-    ) -> Result<()> {
-        let all = self.partials.view();
-        let (Some(c), Some((per, shape))) = (&self.chunks, self.chunking(kind, t)) else {
-            let plan = &self.reduce_plan(kind, t);
-            let one = PassLaunch { stream, t0: 0, n: t, plan, pass: Pass::Project, partials: &all };
-            launch(&one)?;
-            if plan.finish.is_some() {
-                launch(&PassLaunch { pass: Pass::Finish, ..one })?;
-            }
-            return Ok(());
-        };
-        // Chunk k's partials: region k mod 2. Both regions together take at most four floats
-        // more than `workspace_floats(t)` (each rounds up to a multiple of 4), and `t` is at most
-        // `max_tokens`: the allocation's slack.
-        let s = splits(self.config.hidden);
-        let second = plan::workspace_floats(per, s);
-        let capturing = stream.is_capturing();
-        for k in 0..t.div_ceil(per) {
-            let (t0, n) = (k * per, per.min(t - k * per));
-            let plan = &plan::reduce(kind, n, self.config.hidden, self.units, shape);
-            let partials = &all.slice(if k.is_multiple_of(2) { 0 } else { second }, plan::workspace_floats(n, s))?;
-            launch(&PassLaunch { stream, t0, n, plan, pass: Pass::Project, partials })?;
-            // The finish of chunk k after its projection (and after chunk k - 1's finish, on
-            // the same stream); chunk k + 1's projection, next on `stream`, after chunk k - 1's
-            // finish, whose partials region it takes.
-            if capturing {
-                if k > 0 {
-                    stream.join_capture(&c.aux)?;
-                }
-                stream.fork_capture(&c.aux)?;
-            } else {
-                c.projected.record(stream)?;
-                c.aux.wait_event(&c.projected)?;
-                if k > 0 {
-                    stream.wait_event(&c.finished)?;
-                }
-            }
-            launch(&PassLaunch { stream: &c.aux, t0, n, plan, pass: Pass::Finish, partials })?;
-            if !capturing {
-                c.finished.record(&c.aux)?;
-            }
-        }
-        if capturing { stream.join_capture(&c.aux) } else { stream.wait_event(&c.finished) }.map_err(MhcError::from)
-    }
-
     /// Tokens of a residual view `[T, n, H]`, checked against `max_tokens`.
     pub(crate) fn tokens(&self, op: &'static str, residual: &View<bf16>) -> Result<usize> {
         let t = crate::reference::tokens_of(op, residual.len(), self.config.hidden)?;
@@ -451,19 +286,23 @@ impl MhcOps {
         Ok(t)
     }
 
-    /// The second of the two passes ([`MhcPasses::Two`]) of `l`, where its plan has one:
-    /// `mhc_pre_finish_n4` on `rows` (the residual the finish reads: `mhc_pre`'s input, the fused
-    /// op's `residual_out`) and the projection's partials, into `out` (these tokens' outputs).
+    /// The second of the two passes ([`MhcPasses::Two`]) of `plan` (the plan of `t` tokens),
+    /// where it has one: `mhc_pre_finish_n4` on `rows` (the residual the finish reads:
+    /// `mhc_pre`'s input, the fused op's `residual_out`) and the projection's partials, into
+    /// `out`.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn launch_finish(
         &self,
-        l: &PassLaunch<'_>,
+        stream: &Stream,
+        plan: &plan::ReducePlan,
+        t: usize,
         rows: &View<bf16>,
         weights: &MhcPreWeights<'_>,
         params: &MhcPreParams,
         out: &MhcPreOutputs<'_>,
     ) -> Result<()> {
-        let Some(config) = l.plan.finish else { return Ok(()) };
-        l.stream.launch_dependent(
+        let Some(config) = plan.finish else { return Ok(()) };
+        stream.launch_dependent(
             &self.kernels.pre_finish,
             config,
             &[
@@ -473,8 +312,8 @@ impl MhcOps {
                 out.post.into(),
                 out.comb.into(),
                 out.layer_input.into(),
-                l.partials.into(),
-                (l.n as u32).into(),
+                (&self.partials).into(),
+                (t as u32).into(),
                 (self.config.hidden as u32).into(),
                 params.rms_eps.into(),
                 params.pre_eps.into(),

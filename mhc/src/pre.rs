@@ -3,10 +3,9 @@
 use holdfast_hal::{bf16, Stream, View};
 
 use crate::error::Result;
-use crate::ops::{disjoint, MhcOps, MhcPreOutputs, MhcPreWeights, Pass};
+use crate::ops::{disjoint, MhcOps, MhcPreOutputs, MhcPreWeights};
 use crate::params::MhcPreParams;
 use crate::plan::Reduce;
-use crate::HC_MULT;
 
 impl MhcOps {
     /// From `residual [T, n, H]` bf16: `mixes = rsqrt(Σx²/D + rms_eps) · (x · fnᵀ)` over each
@@ -39,41 +38,32 @@ impl MhcOps {
         if t == 0 {
             return Ok(());
         }
-        let (h, d) = (self.config.hidden, HC_MULT * self.config.hidden);
-        self.schedule(stream, Reduce::Pre, t, &|l| {
-            let residual = residual.slice(l.t0 * d, l.n * d)?;
-            let (post, comb, layer_input) = out.rows(l.t0, l.n, h)?;
-            let out = MhcPreOutputs { post: &post, comb: &comb, layer_input: &layer_input };
-            if l.pass == Pass::Finish {
-                return self.launch_finish(l, &residual, weights, params, &out);
-            }
-            let p = l.plan;
-            l.stream.launch_dependent(
-                &self.kernels.pre,
-                p.config,
-                &[
-                    (&residual).into(),
-                    weights.hc_fn.into(),
-                    weights.scale.into(),
-                    weights.base.into(),
-                    out.post.into(),
-                    out.comb.into(),
-                    out.layer_input.into(),
-                    l.partials.into(),
-                    (&self.sync).into(),
-                    (l.n as u32).into(),
-                    (h as u32).into(),
-                    params.rms_eps.into(),
-                    params.pre_eps.into(),
-                    params.sinkhorn_eps.into(),
-                    params.post_mult.into(),
-                    params.sinkhorn_iters.into(),
-                    (p.tile_tokens as u32).into(),
-                    (p.finish_tokens as u32).into(),
-                    p.flags().into(),
-                ],
-            )?;
-            Ok(())
-        })
+        let p = self.reduce_plan(Reduce::Pre, t);
+        stream.launch_dependent(
+            &self.kernels.pre,
+            p.config,
+            &[
+                residual.into(),
+                weights.hc_fn.into(),
+                weights.scale.into(),
+                weights.base.into(),
+                out.post.into(),
+                out.comb.into(),
+                out.layer_input.into(),
+                (&self.partials).into(),
+                (&self.sync).into(),
+                (t as u32).into(),
+                (self.config.hidden as u32).into(),
+                params.rms_eps.into(),
+                params.pre_eps.into(),
+                params.sinkhorn_eps.into(),
+                params.post_mult.into(),
+                params.sinkhorn_iters.into(),
+                (p.tile_tokens as u32).into(),
+                (p.finish_tokens as u32).into(),
+                p.flags().into(),
+            ],
+        )?;
+        self.launch_finish(stream, &p, t, residual, weights, params, out)
     }
 }
