@@ -96,6 +96,6 @@ impl MhcOps {
                 p.flags().into(),
             ],
         )?;
-        self.launch_finish(stream, &p, t, residual_out, weights, params, out)
+        self.launch_finish(stream, &p, residual_out, weights, params, out)
     }
 }

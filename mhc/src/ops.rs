@@ -109,8 +109,8 @@ pub struct MhcPreOutputs<'a> {
 /// Every op takes caller-provided views (exact lengths for the call's `T`, derived from the
 /// residual's length), validates them, and enqueues one kernel launch on the stream (none for
 /// `T = 0`; two for `mhc_pre` and the fused op where they take [`MhcPasses::Two`], both on the
-/// caller's stream). Launch shapes depend on `T` alone, so the ops are capturable: capture at a padded `T` with views of persistent buffers and replay with
-/// fresh contents.
+/// caller's stream). Launch shapes depend on `T` alone, so the ops are capturable: capture at a
+/// padded `T` with views of persistent buffers and replay with fresh contents.
 ///
 /// The split-reduction ops (`hc_head`, `mhc_pre`, `mhc_fused_post_pre`) share one persistent
 /// workspace owned here. Launches on one stream are ordered and leave it ready for the next, but
@@ -286,16 +286,13 @@ impl MhcOps {
         Ok(t)
     }
 
-    /// The second of the two passes ([`MhcPasses::Two`]) of `plan` (the plan of `t` tokens),
-    /// where it has one: `mhc_pre_finish_n4` on `rows` (the residual the finish reads:
-    /// `mhc_pre`'s input, the fused op's `residual_out`) and the projection's partials, into
-    /// `out`.
-    #[allow(clippy::too_many_arguments)]
+    /// The second of the two passes ([`MhcPasses::Two`]) of `plan`, where it has one:
+    /// `mhc_pre_finish_n4` on `rows [T, n, H]` (the residual the finish reads: `mhc_pre`'s input,
+    /// the fused op's `residual_out`) and the projection's partials, into `out`.
     pub(crate) fn launch_finish(
         &self,
         stream: &Stream,
         plan: &plan::ReducePlan,
-        t: usize,
         rows: &View<bf16>,
         weights: &MhcPreWeights<'_>,
         params: &MhcPreParams,
@@ -313,7 +310,7 @@ impl MhcOps {
                 out.comb.into(),
                 out.layer_input.into(),
                 (&self.partials).into(),
-                (t as u32).into(),
+                ((rows.len() / (HC_MULT * self.config.hidden)) as u32).into(),
                 (self.config.hidden as u32).into(),
                 params.rms_eps.into(),
                 params.pre_eps.into(),

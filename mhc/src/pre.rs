@@ -64,6 +64,6 @@ impl MhcOps {
                 p.flags().into(),
             ],
         )?;
-        self.launch_finish(stream, &p, t, residual, weights, params, out)
+        self.launch_finish(stream, &p, residual, weights, params, out)
     }
 }
