@@ -12,6 +12,7 @@
 //
 //   proj      cp.async, 16 bytes a lane, as the pass issues them (ST stages, blocks per SM);
 //   proj flat the same bytes per block but a split as 2 KiB of the flattened 4 H row;
+//   proj ilv  a split's blocks taking every per-th m-tile instead of a contiguous run of them;
 //   tma       one 3D tensor copy {256 h, 4 streams, 16 tokens} per m-tile, issued by one thread,
 //             completion on an mbarrier.
 //
@@ -54,8 +55,10 @@ __global__ void copy_contig(const uint4* __restrict__ p, uint4* __restrict__ q, 
 
 // The projection's m-tile loads through a ring of ST cp.async stages. FLAT: split s covers bytes
 // [2048 s, 2048 s + 2048) of a token's flattened 4 H row; else 512 bytes of each stream. SPIN:
-// cycles spent per m-tile before the block barrier (the arithmetic's stand-in).
-template <int ST, bool FLAT, int SPIN>
+// cycles spent per m-tile before the block barrier (the arithmetic's stand-in). ILV: block k of a
+// split takes m-tiles k, k + per, k + 2 per, ... (the splits' blocks all near the same tokens)
+// instead of the k-th contiguous run of them.
+template <int ST, bool FLAT, int SPIN, bool ILV = false>
 __global__ void __launch_bounds__(256) proj(const uint16_t* __restrict__ res, uint32_t T, uint32_t H, uint32_t* out) {
     extern __shared__ __align__(16) unsigned char sm[];
     const uint32_t S = H / 256, M = T / 16;
@@ -76,12 +79,13 @@ __global__ void __launch_bounds__(256) proj(const uint16_t* __restrict__ res, ui
             }
         }
     };
-    const uint32_t Mb = m1 - m0;
+    const uint32_t Mb = ILV ? (k < M ? (M - k + per - 1) / per : 0u) : m1 - m0;
+    auto mtile = [&](uint32_t i) { return ILV ? k + per * i : m0 + i; };
 #pragma unroll
-    for (int s = 0; s < ST - 1; ++s) { if ((uint32_t)s < Mb) issue(m0 + s, s); commit(); }
+    for (int s = 0; s < ST - 1; ++s) { if ((uint32_t)s < Mb) issue(mtile(s), s); commit(); }
     uint32_t acc = 0;
     for (uint32_t i = 0; i < Mb; ++i) {
-        if (i + ST - 1 < Mb) issue(m0 + i + ST - 1, (i + ST - 1) % ST);
+        if (i + ST - 1 < Mb) issue(mtile(i + ST - 1), (i + ST - 1) % ST);
         commit();
         waitg<ST - 1>();
         const uint32_t base = slot + (i % ST) * stage;
@@ -179,12 +183,14 @@ int main() {
         printf("H %u T %u: %.1f MB; copy %.1f us (%.0f GB/s r+w); contiguous read %.1f us (%.0f GB/s, %.1f%% of copy)\n",
                H, T, bytes / 1e6, tc, copy_rate, tr, bytes / tr / 1e3, 100.0 * bytes / tr / 1e3 / copy_rate);
         const uint32_t S = H / 256;
-#define RUN(ST, FLAT, SPIN, BPS) { auto k = proj<ST, FLAT, SPIN>; int sb = ST * 32768; \
+#define RUN(ST, FLAT, SPIN, BPS) RUNI(ST, FLAT, SPIN, BPS, false)
+#define RUNI(ST, FLAT, SPIN, BPS, ILV) { auto k = proj<ST, FLAT, SPIN, ILV>; int sb = ST * 32768; \
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, sb)); \
         uint32_t per = (sms * BPS) / S; float t = timeit([&] { k<<<S * per, 256, sb>>>(r, T, H, o); }); \
-        printf("  proj ST %d flat %d spin %4d blocks/SM %d grid %u: %.1f us (%.0f GB/s, %.1f%% of copy)\n", ST, (int)FLAT, SPIN, BPS, S * per, t, bytes / t / 1e3, 100.0 * bytes / t / 1e3 / copy_rate); }
+        printf("  proj ST %d flat %d ilv %d spin %4d blocks/SM %d grid %u: %.1f us (%.0f GB/s, %.1f%% of copy)\n", ST, (int)FLAT, (int)ILV, SPIN, BPS, S * per, t, bytes / t / 1e3, 100.0 * bytes / t / 1e3 / copy_rate); }
         RUN(2, false, 0, 1) RUN(3, false, 0, 1) RUN(4, false, 0, 1) RUN(6, false, 0, 1)
         RUN(3, true, 0, 1) RUN(4, true, 0, 1)
+        RUNI(3, false, 0, 1, true) RUNI(3, false, 1000, 1, true) RUNI(3, true, 0, 1, true)
         RUN(3, false, 500, 1) RUN(3, false, 1000, 1) RUN(4, false, 1000, 1) RUN(6, false, 1000, 1)
         RUN(3, false, 2000, 1) RUN(6, false, 2000, 1)
         RUN(3, false, 0, 2) RUN(3, false, 1000, 2) RUN(2, false, 1000, 3)
@@ -206,7 +212,7 @@ int main() {
 #define RUNT(ST, SPIN, BPS) { auto k = proj_tma<ST, SPIN>; int sb = ST * 32768 + 64; \
         CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, sb)); \
         uint32_t per = (sms * BPS) / S; float t = timeit([&] { k<<<S * per, 256, sb>>>(tm, T, H, o); }); \
-        printf("  tma  ST %d        spin %4d blocks/SM %d grid %u: %.1f us (%.0f GB/s, %.1f%% of copy)\n", ST, SPIN, BPS, S * per, t, bytes / t / 1e3, 100.0 * bytes / t / 1e3 / copy_rate); }
+        printf("  tma  ST %d              spin %4d blocks/SM %d grid %u: %.1f us (%.0f GB/s, %.1f%% of copy)\n", ST, SPIN, BPS, S * per, t, bytes / t / 1e3, 100.0 * bytes / t / 1e3 / copy_rate); }
         RUNT(2, 0, 1) RUNT(3, 0, 1) RUNT(4, 0, 1) RUNT(6, 0, 1) RUNT(3, 1000, 1) RUNT(6, 1000, 1)
         RUNT(3, 2000, 1) RUNT(6, 2000, 1) RUNT(3, 0, 2) RUNT(3, 1000, 2)
         cudaFree(r); cudaFree(w); cudaFree(o);
