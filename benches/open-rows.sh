@@ -44,11 +44,14 @@ done
 grep -E "h128_d512|copy" "$out/attention.txt"
 
 echo "== projection-load probe"
-nvcc="$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)"
-if [[ -x "$nvcc" ]]; then
+nvcc="$(readlink -f "$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)")"
+if [[ $(left) -lt 150 ]]; then
+    echo "probe skipped: $(left) s left"
+elif [[ -x "$nvcc" ]]; then
     probe="$out/mhc_loads"
+    cuda="$(dirname "$nvcc")/.."
     if "$nvcc" -O3 -std=c++17 -arch=sm_90 -o "$probe" "$root/benches/probes/mhc_loads.cu" \
-        -L"$(dirname "$nvcc")/../lib64/stubs" -lcuda >"$out/probe-build.log" 2>&1; then
+        -L"$cuda/lib64/stubs" -L"$cuda/targets/x86_64-linux/lib/stubs" -lcuda >"$out/probe-build.log" 2>&1; then
         timeout 90 "$probe" >"$out/probe.txt" 2>&1
         echo "probe: exit $? at $(elapsed) s"
         cat "$out/probe.txt"
@@ -62,7 +65,8 @@ fi
 
 if [[ -n "${TESTS:-}" ]]; then
     echo "== GPU suites"
-    for t in $(cd "$TESTS" && ls -d attention--* mhc--* 2>/dev/null); do
+    for t in $(cd "$TESTS" && ls -d attention--test-* attention--lib-* mhc--test-* mhc--lib-* 2>/dev/null); do
+        [[ -x "$TESTS/$t" && -f "$TESTS/$t" ]] || continue
         if [[ $(left) -lt 90 ]]; then
             echo "$t skipped: $(left) s left"
             continue

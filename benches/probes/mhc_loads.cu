@@ -118,13 +118,13 @@ __device__ __forceinline__ void tma3(uint32_t dst, const CUtensorMap* tm, uint32
 // The same m-tiles as proj, each one 3D TMA box {256 h, 4 streams, 16 tokens} (32 KB) issued by thread 0.
 template <int ST, int SPIN>
 __global__ void __launch_bounds__(256) proj_tma(const __grid_constant__ CUtensorMap tm, uint32_t T, uint32_t H, uint32_t* out) {
-    extern __shared__ __align__(1024) unsigned char sm[];
+    extern __shared__ __align__(1024) unsigned char smt[];  // its own name: one alignment per symbol
     const uint32_t S = H / 256, M = T / 16;
     const uint32_t per = gridDim.x / S, split = blockIdx.x / per, k = blockIdx.x % per;
     if (split >= S) return;
     const uint32_t m0 = (uint32_t)((uint64_t)M * k / per), m1 = (uint32_t)((uint64_t)M * (k + 1) / per);
     const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, g = lane / 4, q = lane % 4;
-    const uint32_t stage = 32768, base0 = smem_addr(sm), bars = base0 + ST * stage;
+    const uint32_t stage = 32768, base0 = smem_addr(smt), bars = base0 + ST * stage;
     const uint32_t Mb = m1 - m0;
     if (threadIdx.x == 0) {
         for (int s = 0; s < ST; ++s) mbar_init(bars + 8 * s, 1);
